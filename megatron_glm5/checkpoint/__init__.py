@@ -1,0 +1,1 @@
+"""Checkpoint key table, FP8 dequantisation and HF safetensors I/O."""

@@ -1,0 +1,53 @@
+"""Process-group setup shared by the tools, the training script and the tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
+                        seed: int = 1234, backend: str | None = None) -> None:
+    """Initialise torch.distributed (from torchrun's env, or a 1-process group) and megatron's parallel state.
+
+    On a machine without CUDA this also enables :mod:`megatron_glm5.cpu_compat` and uses gloo.
+    """
+    if not torch.cuda.is_available():
+        from megatron_glm5.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend)
+    world = dist.get_world_size()
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp, expert_model_parallel_size=ep)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_megatron() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,33 @@
+"""Shared test fixtures: a single-process megatron-core environment on CPU (gloo + cpu_compat)."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+warnings.filterwarnings("ignore", message=".*Apex.*")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running test")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def mcore():
+    """Initialise torch.distributed (1 process) and megatron-core parallel state (TP=PP=EP=CP=1)."""
+    from megatron_glm5.initialize import initialize_megatron
+
+    initialize_megatron(tp=1, pp=1, ep=1, cp=1, seed=1234)
+    yield
