@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_glm5",
+    version="0.1.0",
+    description="GLM-5.3-Flash (Glm5NextForConditionalGeneration) training on megatron-core: TP/SP, PP/VPP, EP, CP, DP",
+    packages=find_packages(include=["megatron_glm5", "megatron_glm5.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "transformers==5.23.0",
+        "safetensors",
+        "sentencepiece",
+        "tensorboard",
+        "einops",
+        "psutil",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest", "flash-linear-attention==0.6.0", "fla-core==0.6.0"],
+        "gpu": ["flash-linear-attention==0.6.0", "fla-core==0.6.0", "triton"],
+    },
+)
