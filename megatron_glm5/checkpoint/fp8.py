@@ -1,0 +1,55 @@
+"""Block-FP8 (e4m3, 128x128 ``weight_scale_inv``) dequantisation and quantisation of HF GLM-5.3 weights.
+
+``weight_scale_inv`` is an fp32 grid [ceil(out/bo), ceil(in/bi)]; despite its name it *multiplies*:
+``w = fp8.float() * scale`` block-wise, cropped at the edges for sizes that are not multiples of the block.
+The block size comes from ``quantization_config.weight_block_size`` when given and is checked against the grid.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def _block_sizes(shape, scale_shape, block_size: Optional[Sequence[int]]):
+    rows, cols = shape
+    srows, scols = scale_shape
+    if block_size is not None:
+        bo, bi = int(block_size[0]), int(block_size[1])
+        if math.ceil(rows / bo) != srows or math.ceil(cols / bi) != scols:
+            raise ValueError(f"weight_scale_inv grid {tuple(scale_shape)} does not match weight {tuple(shape)} "
+                             f"with block size {bo}x{bi}")
+        return bo, bi
+    bo = 128 if math.ceil(rows / 128) == srows else math.ceil(rows / srows)
+    bi = 128 if math.ceil(cols / 128) == scols else math.ceil(cols / scols)
+    return bo, bi
+
+
+def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                             block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """weight [out, in] float8_e4m3fn, scale_inv [ceil(out/bo), ceil(in/bi)] fp32 -> [out, in] ``out_dtype``."""
+    if weight.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(f"FP8 weight and scale must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
+    bo, bi = _block_sizes(weight.shape, scale_inv.shape, block_size)
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+    return (weight.float() * scale).to(out_dtype)
+
+
+def quantize_fp8_blockwise(weight: torch.Tensor, block_size: Sequence[int] = (128, 128)):
+    """[out, in] float -> (float8_e4m3fn [out, in], weight_scale_inv fp32 grid). amax/448 per block."""
+    bo, bi = int(block_size[0]), int(block_size[1])
+    rows, cols = weight.shape
+    gr, gc = math.ceil(rows / bo), math.ceil(cols / bi)
+    w = torch.zeros(gr * bo, gc * bi, dtype=torch.float32, device=weight.device)
+    w[:rows, :cols] = weight.float()
+    blocks = w.view(gr, bo, gc, bi)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(gr * bo, gc * bi)[:rows, :cols].contiguous(), scale.float()

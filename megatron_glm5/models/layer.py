@@ -1,0 +1,113 @@
+"""The GLM-5.3 decoder layer: two mHC sites around (norm -> KDA | KPool-DSA) and (norm -> dense MLP | MoE).
+
+Between layers the ``hc_mult`` residual streams travel as one plain ``[s, b, n*h]`` tensor (viewed as
+``[s, b, n, h]`` inside the layer), so pipeline send/recv, recompute and sequence-parallel sharding along ``s``
+need no special case.
+
+Per site (HF ``Glm5NextTextDecoderLayer``)::
+
+    post, comb, x = hc(streams)                  # x = sum_n pre_n * stream_n
+    y = sublayer(norm(x))
+    streams = post[..., None] * y[..., None, :] + comb^T @ streams
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from megatron_glm5.models.mhc import HyperConnection, apply_hyper_connection_output
+
+
+@dataclass
+class Glm5LayerSubmodules:
+    """Submodules of one GLM-5.3 decoder layer."""
+
+    attn_hc: Union[ModuleSpec, type] = HyperConnection
+    input_layernorm: Union[ModuleSpec, type] = None
+    self_attention: Union[ModuleSpec, type] = None
+    ffn_hc: Union[ModuleSpec, type] = HyperConnection
+    pre_mlp_layernorm: Union[ModuleSpec, type] = None
+    mlp: Union[ModuleSpec, type] = None
+
+
+def _build_attention(spec, config, layer_number, pg_collection):
+    """Build KDA / DSA from its spec. Spec params (e.g. megatron's attn_mask_type, which MTP asserts) are not
+    constructor arguments of our attention modules, so they are not forwarded."""
+    if isinstance(spec, ModuleSpec):
+        return spec.module(config=config, submodules=spec.submodules, layer_number=layer_number,
+                           pg_collection=pg_collection)
+    return spec(config=config, layer_number=layer_number, pg_collection=pg_collection)
+
+
+class Glm5TransformerLayer(MegatronModule):
+    """One decoder layer. ``layer_number`` is 1-based and global (megatron convention)."""
+
+    def __init__(self, config, submodules: Glm5LayerSubmodules, layer_number: int = 1, vp_stage=None,
+                 pg_collection=None, **kwargs):
+        super().__init__(config=config)
+        self.submodules_config = submodules
+        self.layer_number = layer_number
+        self.hc_mult = config.hc_mult
+        self.attn_hc = build_module(submodules.attn_hc, config=config, layer_number=layer_number)
+        self.input_layernorm = build_module(submodules.input_layernorm, config=config,
+                                            hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        self.self_attention = _build_attention(submodules.self_attention, config, layer_number, pg_collection)
+        self.is_dsa = bool(getattr(self.self_attention, "is_dsa", False))
+        self.ffn_hc = build_module(submodules.ffn_hc, config=config, layer_number=layer_number)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
+                                              hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        mlp_spec = submodules.mlp
+        if isinstance(mlp_spec, ModuleSpec) and "MoELayer" in mlp_spec.module.__name__:
+            self.mlp = build_module(mlp_spec, config=config, layer_number=layer_number,
+                                    pg_collection=pg_collection)
+        else:
+            self.mlp = build_module(mlp_spec, config=config)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
+                shared_topk_indices: Optional[torch.Tensor] = None, **kwargs):
+        """hidden_states: [s, b, n*h] streams. Returns (streams [s, b, n*h], topk_indices or None).
+
+        ``topk_indices`` [b, s, width] is what this layer's indexer selected (DSA layers); a later DSA layer whose
+        ``indexer_types`` entry is 'shared' takes it as ``shared_topk_indices``.
+        """
+        s, b, nh = hidden_states.shape
+        n = self.hc_mult
+        streams = hidden_states.view(s, b, n, nh // n)
+
+        post, comb, x = self.attn_hc(streams)
+        x = self.input_layernorm(x)
+        topk = None
+        if self.is_dsa:
+            y, topk = self.self_attention(x, attention_mask=attention_mask, packed_seq_params=packed_seq_params,
+                                          shared_topk_indices=shared_topk_indices)
+        else:
+            y, _ = self.self_attention(x, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
+        streams = apply_hyper_connection_output(y, streams, post, comb)
+
+        post, comb, x = self.ffn_hc(streams)
+        x = self.pre_mlp_layernorm(x)
+        y, _ = self.mlp(x)
+        streams = apply_hyper_connection_output(y, streams, post, comb)
+        return streams.reshape(s, b, nh), topk
+
+
+class Glm5MTPTransformerLayer(Glm5TransformerLayer):
+    """The GLM layer inside megatron-core's ``MultiTokenPredictionLayer``.
+
+    megatron's MTP layer hands a single ``[s, b, h]`` stream to its transformer layer and expects
+    ``(hidden_states, context)`` back. The MTP layer of GLM-5.3 carries mHC parameters like every decoder layer, so
+    the input is expanded to ``hc_mult`` identical streams, the layer runs, and the streams are averaged (the same
+    contract as the main decoder's embedding expansion and final head).
+    """
+
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
+        n = self.hc_mult
+        s, b, h = hidden_states.shape
+        streams = hidden_states.unsqueeze(2).expand(s, b, n, h).reshape(s, b, n * h)
+        streams, _ = super().forward(streams, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
+        return streams.view(s, b, n, h).mean(dim=2), None

@@ -1,0 +1,209 @@
+"""Manifold-constrained hyper-connections (mHC): one mixing site (attention or MLP) of a GLM-5.3 decoder layer.
+
+GLM-5.3 keeps ``n = hc_mult`` residual streams per token instead of one. At every block (attention, then MLP) a
+:class:`HyperConnection` reads the ``n`` streams and produces
+
+* ``pre``  ``[s, b, n]``: weights that collapse the streams into the block input (consumed inside ``forward``);
+* ``post`` ``[s, b, n]``: weights that expand the block output back onto the streams;
+* ``comb`` ``[s, b, n, n]``: a (nearly) doubly-stochastic matrix (Sinkhorn-Knopp) that mixes the input streams
+  into the output streams.
+
+The caller then forms the new streams with :func:`apply_hyper_connection_output`::
+
+    new[.., j, :] = post[.., j] * block_out + sum_i comb[.., i, j] * streams[.., i, :]
+
+Stream layout between layers
+----------------------------
+Between decoder layers (and across pipeline stages) the streams travel as a plain ``[s, b, n * h]`` tensor,
+stream-major along the last dim (``x.view(s, b, n, h)`` recovers them). Pipeline send/recv therefore only sees a
+wider hidden size (``n * h``), and sequence-parallel scatter/gather along ``s`` needs no special case. Use
+:func:`expand_streams` after the embedding (``n`` identical copies), :func:`streams_view` inside a layer, and
+:func:`contract_streams` (mean over streams) before the final norm -- exactly HF's ``Glm5NextTextModel``.
+
+Numerics follow HF's ``Glm5NextTextHyperConnection`` exactly: the weight computation runs in fp32 (``fn`` is read
+as fp32; ``base`` and ``scale`` are fp32 parameters and carry ``keep_fp32 = True`` because rounding them to bf16
+changes the model), the collapsed block input is cast back to the streams' dtype.
+
+Parallelism: the three parameters are replicated over tensor parallelism. Under sequence parallelism each TP rank
+sees a different slice of ``s``, so their gradients are partial sums; the parameters carry
+``sequence_parallel = config.sequence_parallel`` so megatron-core's ``finalize_model_grads`` all-reduces them over
+TP (the same treatment as layer-norm weights).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+__all__ = [
+    "HyperConnection",
+    "apply_hyper_connection_output",
+    "expand_streams",
+    "contract_streams",
+    "streams_view",
+    "sinkhorn_normalize",
+]
+
+
+# ----------------------------------------------------------------------------------------------- stream layout
+def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[s, b, h]`` -> ``[s, b, n * h]``: ``n`` identical copies of ``x`` (the streams entering layer 0)."""
+    s, b, h = x.shape
+    return x.unsqueeze(2).expand(s, b, n, h).reshape(s, b, n * h)
+
+
+def streams_view(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[s, b, n * h]`` -> ``[s, b, n, h]`` (a view when ``x`` is contiguous in its last dim)."""
+    s, b, nh = x.shape
+    if nh % n:
+        raise ValueError(f"streams_view: last dim {nh} is not divisible by hc_mult {n}")
+    return x.reshape(s, b, n, nh // n)
+
+
+def contract_streams(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[s, b, n * h]`` -> ``[s, b, h]``: the unweighted mean over streams (HF ``Glm5NextTextHyperHead``)."""
+    return streams_view(x, n).mean(dim=2)
+
+
+# ----------------------------------------------------------------------------------------------- Sinkhorn
+def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    # one column normalisation, then (iters - 1) x (row, column); eps in every denominator (HF order).
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class _SinkhornRecompute(torch.autograd.Function):
+    """Sinkhorn normalisation that saves only its input and re-runs the iterations in backward.
+
+    The backward replays exactly the same ops through autograd, so values and gradients are bitwise equal to the
+    plain version; it only avoids keeping ``2 * iters`` intermediate ``[s, b, n, n]`` tensors alive.
+    """
+
+    @staticmethod
+    def forward(ctx, comb, iters, eps):
+        ctx.iters, ctx.eps = iters, eps
+        ctx.save_for_backward(comb)
+        with torch.no_grad():
+            return _sinkhorn(comb, iters, eps)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (comb,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = comb.detach().requires_grad_(True)
+            y = _sinkhorn(x, ctx.iters, ctx.eps)
+            (grad_in,) = torch.autograd.grad(y, x, grad_out)
+        return grad_in, None, None
+
+
+def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, recompute: bool = True) -> torch.Tensor:
+    """HF's Sinkhorn-Knopp on the last two dims of ``comb``; ``recompute`` trades memory for a backward replay."""
+    if recompute and torch.is_grad_enabled() and comb.requires_grad:
+        return _SinkhornRecompute.apply(comb, iters, eps)
+    return _sinkhorn(comb, iters, eps)
+
+
+# ----------------------------------------------------------------------------------------------- module
+class HyperConnection(MegatronModule):
+    """One mHC site. ``forward(streams [s, b, n, h]) -> (post [s, b, n] fp32, comb [s, b, n, n] fp32,
+    collapsed [s, b, h] in streams' dtype)``.
+
+    Parameters (HF names, under ``...attn_hc.`` / ``...ffn_hc.``): ``fn`` ``[(2 + n) * n, n * h]`` (used in fp32),
+    ``base`` ``[(2 + n) * n]`` fp32 and ``scale`` ``[3]`` fp32 (both ``keep_fp32 = True``).
+
+    ``recompute_sinkhorn`` (default ``True``, also read from ``config.hc_recompute_sinkhorn`` when present) saves
+    activation memory with bitwise-identical results.
+    """
+
+    def __init__(self, config, layer_number: Optional[int] = None, recompute_sinkhorn: Optional[bool] = None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.hc_mult = n = int(config.hc_mult)
+        self.hidden_size = int(config.hidden_size)
+        self.hc_eps = float(config.hc_eps)
+        self.hc_sinkhorn_iters = int(config.hc_sinkhorn_iters)
+        self.norm_eps = float(config.layernorm_epsilon)
+        if recompute_sinkhorn is None:
+            recompute_sinkhorn = bool(getattr(config, "hc_recompute_sinkhorn", True))
+        self.recompute_sinkhorn = recompute_sinkhorn
+
+        out = (2 + n) * n
+        fn_dtype = getattr(config, "params_dtype", torch.float32) or torch.float32
+        self.fn = nn.Parameter(torch.empty(out, n * self.hidden_size, dtype=fn_dtype))
+        self.base = nn.Parameter(torch.empty(out, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+        self.reset_parameters()
+
+        sp = bool(getattr(config, "sequence_parallel", False))
+        for p in (self.fn, self.base, self.scale):
+            setattr(p, "sequence_parallel", sp)  # replicated over TP; grads all-reduced over TP under SP
+        for p in (self.base, self.scale):
+            setattr(p, "keep_fp32", True)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """HF's init: fn ~ N(0, 0.02), base = 0, scale = 1."""
+        self.fn.normal_(mean=0.0, std=0.02)
+        self.base.zero_()
+        self.scale.fill_(1.0)
+
+    def compute_weights(self, streams: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams [.., n, h]`` -> fp32 ``(pre [.., n], post [.., n], comb [.., n, n])``."""
+        n = self.hc_mult
+        lead = streams.shape[:-2]
+        x = streams.reshape(*lead, n * streams.shape[-1]).float()
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
+        mixes = F.linear(x, self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        base = self.base.float()
+        scale = self.scale.float()
+        pre_b, post_b, comb_b = base.split([n, n, n * n])
+        pre_s, post_s, comb_s = scale.unbind(0)
+
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = comb_w.view(*lead, n, n) * comb_s + comb_b.view(n, n)
+        comb = torch.softmax(comb, dim=-1) + self.hc_eps
+        comb = sinkhorn_normalize(comb, self.hc_sinkhorn_iters, self.hc_eps, recompute=self.recompute_sinkhorn)
+        return pre, post, comb
+
+    def forward(self, streams: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if streams.dim() != 4 or streams.shape[-2] != self.hc_mult:
+            raise ValueError(
+                f"HyperConnection expects streams [s, b, {self.hc_mult}, h], got {tuple(streams.shape)} "
+                "(use streams_view(x, hc_mult) on the flat [s, b, n*h] layout)")
+        pre, post, comb = self.compute_weights(streams)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return post, comb, collapsed
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """All three parameters are replicated over TP (and DP)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, {}, sharded_offsets,
+            tp_group=getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=metadata["dp_cp_group"])
+
+    def extra_repr(self):
+        return (f"hc_mult={self.hc_mult}, hidden_size={self.hidden_size}, sinkhorn_iters={self.hc_sinkhorn_iters}, "
+                f"hc_eps={self.hc_eps}, norm_eps={self.norm_eps}")
+
+
+def apply_hyper_connection_output(block_out: torch.Tensor, residual_streams: torch.Tensor, post: torch.Tensor,
+                                  comb: torch.Tensor) -> torch.Tensor:
+    """New streams ``[s, b, n, h]`` = ``post[.., j] * block_out + sum_i comb[.., i, j] * residual_streams[.., i, :]``
+    (HF's decoder-layer formula; ``post``/``comb`` are cast to the activations' dtype first)."""
+    dtype = residual_streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), residual_streams)
