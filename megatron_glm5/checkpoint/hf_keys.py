@@ -14,6 +14,7 @@ Mapping rules (HF prefix ``model.language_model.`` = LM):
     decoder.layers.{i}.input_layernorm.weight   <-> LM layers.{i}.input_layernorm.weight
     decoder.layers.{i}.pre_mlp_layernorm.weight <-> LM layers.{i}.post_attention_layernorm.weight
     decoder.layers.{i}.self_attention.<rest>    <-> LM layers.{i}.self_attn.<rest>           (KDA and DSA)
+    decoder.layers.{i}.self_attention.q_conv1d  <-> LM layers.{i}.self_attn.q_conv1d.weight   (k, v alike)
     decoder.layers.{i}.mlp.linear_fc1.weight    <-> [LM layers.{i}.mlp.gate_proj.weight; ...up_proj.weight] (dim 0)
     decoder.layers.{i}.mlp.linear_fc2.weight    <-> LM layers.{i}.mlp.down_proj.weight
     ...mlp.router.weight / router.expert_bias   <-> ...mlp.gate.weight / gate.e_score_correction_bias
@@ -37,6 +38,7 @@ _LAYER_RULES = [
     (r"ffn_hc\.(fn|base|scale)", ["hc_ffn_{0}"]),
     (r"input_layernorm\.weight", ["input_layernorm.weight"]),
     (r"pre_mlp_layernorm\.weight", ["post_attention_layernorm.weight"]),
+    (r"self_attention\.([qkv]_conv1d)", ["self_attn.{0}.weight"]),  # KDA conv: bare parameter [C, 1, W]
     (r"self_attention\.(.+)", ["self_attn.{0}"]),
     (r"mlp\.linear_fc1\.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
     (r"mlp\.linear_fc2\.weight", ["mlp.down_proj.weight"]),
@@ -134,6 +136,7 @@ def _candidate_mcore_names(hf_name: str, num_layers: int) -> List[str]:
         (r"hc_attn_(fn|base|scale)", "attn_hc.{0}"), (r"hc_ffn_(fn|base|scale)", "ffn_hc.{0}"),
         (r"input_layernorm\.weight", "input_layernorm.weight"),
         (r"post_attention_layernorm\.weight", "pre_mlp_layernorm.weight"),
+        (r"self_attn\.([qkv]_conv1d)\.weight", "self_attention.{0}"),
         (r"self_attn\.(.+)", "self_attention.{0}"),
         (r"mlp\.(?:gate|up)_proj\.weight", "mlp.linear_fc1.weight"), (r"mlp\.down_proj\.weight", "mlp.linear_fc2.weight"),
         (r"mlp\.gate\.weight", "mlp.router.weight"), (r"mlp\.gate\.e_score_correction_bias", "mlp.router.expert_bias"),

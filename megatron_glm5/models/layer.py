@@ -57,7 +57,9 @@ class Glm5TransformerLayer(MegatronModule):
         self.input_layernorm = build_module(submodules.input_layernorm, config=config,
                                             hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.self_attention = _build_attention(submodules.self_attention, config, layer_number, pg_collection)
-        self.is_dsa = bool(getattr(self.self_attention, "is_dsa", False))
+        from megatron_glm5.models.kpool_dsa import Glm5DSAttention
+
+        self.is_dsa = isinstance(self.self_attention, Glm5DSAttention)
         self.ffn_hc = build_module(submodules.ffn_hc, config=config, layer_number=layer_number)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
                                               hidden_size=config.hidden_size, eps=config.layernorm_epsilon)

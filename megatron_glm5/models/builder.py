@@ -1,0 +1,60 @@
+"""Build a Glm5Model for the current process (its PP stage / TP / EP rank), optionally loaded from HF weights."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_glm5.config import Glm5Config
+
+
+def _ensure_parallel_state():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        from megatron_glm5.initialize import initialize_megatron
+
+        initialize_megatron()
+
+
+def default_backends(device: str) -> dict:
+    """Fast paths where they are available: FLA KDA and the sparse DSA gather on CUDA; torch references on CPU."""
+    if device == "cuda":
+        try:
+            import fla.ops.kda  # noqa: F401
+
+            return {"kda_backend": "fla", "dsa_backend": "sparse"}
+        except Exception:  # noqa: BLE001 - no triton / fla on this machine
+            return {"kda_backend": "torch", "dsa_backend": "sparse"}
+    return {"kda_backend": "torch", "dsa_backend": "torch"}
+
+
+def build_model(config: Glm5Config, pre_process: bool = True, post_process: bool = True,
+                vp_stage: Optional[int] = None, parallel_output: bool = True):
+    """Glm5Model for this rank (megatron parallel state must be initialised)."""
+    from megatron_glm5.models.model import Glm5Model
+
+    return Glm5Model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                     parallel_output=parallel_output)
+
+
+def build_model_from_hf(hf_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        parallel_output: bool = False, **overrides):
+    """Config from ``hf_dir/config.json``, model built on ``device`` in ``dtype`` (fp32 islands kept), HF weights
+    loaded (FP8 dequantised). Single process unless megatron parallel state is already initialised."""
+    from megatron_glm5.checkpoint.hf_io import load_hf_checkpoint
+
+    _ensure_parallel_state()
+    kw = dict(default_backends(device))
+    kw.update(use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.float32)
+    kw.update(overrides)
+    cfg = Glm5Config.from_hf(hf_dir, **kw)
+    if dtype == torch.bfloat16:
+        cfg.bf16 = True
+    model = build_model(cfg, parallel_output=parallel_output)
+    load_hf_checkpoint(model, hf_dir)
+    model.to_dtype(dtype)
+    model.to(device)
+    model.eval()
+    return model

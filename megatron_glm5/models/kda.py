@@ -1,0 +1,566 @@
+"""Kimi Delta Attention (KDA), the linear-attention mixer of GLM-5.3-Flash, as a megatron-core module.
+
+Layouts used in this file:
+
+* megatron activations: ``[s, b, h]`` (sequence first);
+* the delta-rule core: ``[b, s, H, D]`` (batch first, heads, head dim), ``beta`` ``[b, s, H]``;
+* the short convolution: ``[b, s, c]`` with a depthwise weight ``[c, W]`` (``W`` = kernel width).
+
+A *packed row* is ``b = 1`` with megatron-core ``PackedSeqParams``; ``cu_seqlens`` (int32 ``[n_docs + 1]``) gives
+the document boundaries. Both the convolution state and the recurrent ``[K, V]`` state restart at every
+document boundary, so a packed row gives exactly what running HF's ``Glm5NextTextLinearAttention`` on every
+document separately gives. Without ``PackedSeqParams`` every batch row is one document.
+
+Two backends compute the delta rule: ``'torch'`` (:func:`chunk_kda_torch`, a chunked WY form in plain PyTorch,
+runs anywhere and is differentiable by autograd) and ``'fla'`` (flash-linear-attention ``chunk_kda``, CUDA +
+triton, imported lazily).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_cuda_rng_tracker
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+
+from megatron_glm5.config import Glm5Config
+from megatron_glm5.models.packing import document_starts, row_cu_seqlens
+
+__all__ = [
+    "l2norm",
+    "causal_depthwise_conv1d",
+    "chunk_kda_torch",
+    "chunk_kda_fla",
+    "recurrent_kda_reference",
+    "KDAGatedRMSNorm",
+    "KimiDeltaAttentionSubmodules",
+    "KimiDeltaAttention",
+    "get_kda_module_spec",
+]
+
+
+# ============================================================================ plain-PyTorch building blocks
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` along ``dim`` (FLA / HF convention: eps inside the sqrt, no clamp)."""
+    return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _flat_cu_seqlens(cu_seqlens: Optional[torch.Tensor], b: int, s: int) -> List[int]:
+    """Document boundaries over the ``b * s`` flattened tokens (python ints, zero-length documents dropped).
+
+    ``cu_seqlens`` (over one row of length ``s``) applies to every batch row; ``None`` means one document per row.
+    """
+    if cu_seqlens is None:
+        row = [0, s]
+    else:
+        row = [int(x) for x in cu_seqlens.tolist()]
+        if len(row) < 2 or row[0] != 0 or row[-1] != s or any(b_ < a for a, b_ in zip(row[:-1], row[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to the row length {s}, got {row}")
+    out = [0]
+    for r in range(b):
+        for end in row[1:]:
+            if r * s + end > out[-1]:
+                out.append(r * s + end)
+    return out
+
+
+def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor,
+                            cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal depthwise 1-D convolution with a per-document reset (no bias, no activation).
+
+    Args:
+        x: ``[b, s, c]`` input.
+        weight: ``[c, W]`` (or the checkpoint layout ``[c, 1, W]``); ``weight[:, W - 1]`` multiplies the current
+            token and ``weight[:, W - 1 - j]`` the token ``j`` positions back (``F.conv1d`` with ``W - 1`` left
+            zero padding).
+        cu_seqlens: optional int ``[n_docs + 1]`` boundaries along ``s`` (shared by all batch rows). A tap that
+            would reach into an earlier document reads zero, like the padding at the row start.
+
+    Returns:
+        ``[b, s, c]`` in ``weight.dtype`` (HF runs the conv in the fp32 weight's precision).
+    """
+    if weight.dim() == 3:
+        weight = weight.squeeze(1)
+    b, s, c = x.shape
+    if weight.shape[0] != c:
+        raise ValueError(f"conv weight has {weight.shape[0]} channels, input has {c}")
+    width = weight.shape[-1]
+    x = x.to(weight.dtype)
+    pos = torch.arange(s, device=x.device)
+    if cu_seqlens is None:
+        offset = pos
+    else:
+        offset = pos - document_starts(cu_seqlens.to(x.device), s)  # position inside its document
+    out = x * weight[:, width - 1]
+    for j in range(1, min(width, s + 1)):
+        shifted = F.pad(x, (0, 0, j, 0))[:, :s]  # shifted[:, t] = x[:, t - j]
+        valid = (offset >= j).to(x.dtype)[None, :, None]
+        out = out + shifted * valid * weight[:, width - 1 - j]
+    return out
+
+
+_EXP_FLOOR = -60.0
+"""Log-decays are floored here before ``exp`` (exp(-60) ~ 9e-27, far below the fp32 resolution of any O(1) term):
+this keeps the chunked form free of denormal floats, which are ~100x slower on CPUs."""
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """``exp(max(x, _EXP_FLOOR))``."""
+    return torch.exp(x.clamp(min=_EXP_FLOOR))
+
+
+def _chunk_plan(cu: List[int], chunk_size: int, device) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+    """Cut every document into chunks and order them step-major (chunk index inside the document first).
+
+    Documents are sorted by chunk count (descending), so the documents still running at step ``n`` are a prefix
+    of that order and the recurrent state can simply be truncated between steps.
+
+    Returns:
+        tok_idx: ``[NC, C]`` int64 flat token index of every chunk slot (``T`` = a zero dummy token for the
+            padding after a document's end);
+        inv: ``[T]`` int64 position of every token in the flattened ``[NC * C]`` chunk layout;
+        steps: number of chunks at each step (non-increasing, sums to ``NC``).
+    """
+    C = chunk_size
+    starts = torch.tensor(cu[:-1], dtype=torch.long)
+    lens = torch.tensor(cu[1:], dtype=torch.long) - starts
+    T = cu[-1]
+    nch = (lens + C - 1) // C
+    order = torch.argsort(nch, descending=True, stable=True)
+    starts, lens, nch = starts[order], lens[order], nch[order]
+    max_n = int(nch.max())
+    active = nch[None, :] > torch.arange(max_n)[:, None]  # [max_n, n_docs]
+    step_idx, doc_idx = active.nonzero(as_tuple=True)  # row-major: step-major, docs in sorted order
+    steps = active.sum(1).tolist()
+    chunk_start = starts[doc_idx] + step_idx * C
+    chunk_len = torch.clamp(lens[doc_idx] - step_idx * C, max=C)
+    slot = torch.arange(C)
+    valid = slot[None, :] < chunk_len[:, None]
+    tok_idx = torch.where(valid, chunk_start[:, None] + slot[None, :], torch.full_like(valid, T, dtype=torch.long))
+    inv = torch.empty(T, dtype=torch.long)
+    inv[tok_idx[valid]] = torch.arange(valid.numel())[valid.flatten()]
+    return tok_idx.to(device), inv.to(device), steps
+
+
+def chunk_kda_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                    chunk_size: int = 64, use_qk_l2norm: bool = False) -> torch.Tensor:
+    """Chunked Kimi delta rule in plain PyTorch (fp32 inside, differentiable, vectorised over chunks).
+
+    Per head, with a ``[K, V]`` state ``S`` that starts at zero in every document::
+
+        S = exp(g_t)[:, None] * S                   # per-key-channel decay
+        S = S + k_t (beta_t * (v_t - k_t^T S))^T    # delta rule
+        o_t = scale * q_t^T S
+
+    Args:
+        q, k: ``[b, s, H, K]``; v: ``[b, s, H, V]``.
+        g: ``[b, s, H, K]`` log decay (<= 0), used in fp32.
+        beta: ``[b, s, H]`` write strength.
+        scale: query scale, default ``K ** -0.5``.
+        cu_seqlens: optional int ``[n_docs + 1]`` boundaries along ``s`` (normally ``b = 1``, a packed row); the
+            state restarts at every boundary. ``None``: every batch row is one document.
+        chunk_size: chunk length ``C`` of the WY form (any positive value; it does not change the result).
+        use_qk_l2norm: L2-normalise q and k in fp32 first (HF's ``use_qk_l2norm_in_kernel=True``).
+
+    Returns:
+        ``o``: ``[b, s, H, V]`` in ``q.dtype``.
+
+    Each document is cut into chunks of ``C`` (the last one zero-padded), so chunks never straddle documents.
+    Inside a chunk (cumulative decay ``G_i = sum_{t<=i} g_t``) the WY form solves
+    ``(I + A) [U | W] = [beta v | beta k exp(G)]`` with ``A_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)``
+    (``j < i``); then chunk by chunk ``u = U - W S``, ``o = scale (q exp(G)) S + scale (Aqk) u`` and
+    ``S <- exp(G_C) S + (k exp(G_C - G))^T u``. The intra-chunk part is batched over all chunks of all
+    documents; the inter-chunk recurrence loops over ``ceil(longest document / C)`` steps, batched over documents.
+    """
+    b, s, H, K = q.shape
+    V = v.shape[-1]
+    out_dtype = q.dtype
+    if scale is None:
+        scale = K ** -0.5
+    if s == 0:
+        return q.new_zeros(b, s, H, V)
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+
+    C = int(chunk_size)
+    T = b * s
+    tok_idx, inv, steps = _chunk_plan(_flat_cu_seqlens(cu_seqlens, b, s), C, q.device)
+    NC = tok_idx.shape[0]
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [b, s, H, *] -> [NC, H, C, *] (dummy zero token appended)
+        x = x.reshape(T, *x.shape[2:])
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[tok_idx]  # [NC, C, H, *]
+        return x.transpose(1, 2)
+
+    qc, kc, vc, gc, bc = (to_chunks(t) for t in (q, k, v, g, beta))  # bc: [NC, H, C]
+    qc = qc * scale
+    gc = gc.cumsum(-2)  # [NC, H, C, K] cumulative log decay inside each chunk
+
+    # pairwise decayed scores, materialised per key channel for exactness with unbounded gates:
+    # E[i, j, d] = exp(G_id - G_jd) for j <= i (<= 1 as g <= 0), 0 above the diagonal
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    diff = gc.unsqueeze(-2) - gc.unsqueeze(-3)  # [NC, H, C(i), C(j), K]
+    # (clamping at 0 only touches the masked upper triangle, where diff >= 0 could overflow)
+    kE = torch.exp(diff.clamp(_EXP_FLOOR, 0.0)) * causal[..., None] * kc.unsqueeze(-3)  # E * k_j
+    scores = torch.matmul(kE, torch.stack([kc, qc], -1))  # [NC, H, C(i), C(j), 2]: (k_i | q_i) . E k_j
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    akk = (scores[..., 0] * bc.unsqueeze(-1)).masked_fill(~strict, 0.0)  # beta_i k_i.E.k_j, j < i
+    aqk = scores[..., 1]  # scale q_i.E.k_j, j <= i
+
+    eye = torch.eye(C, dtype=akk.dtype, device=akk.device)
+    rhs = torch.cat([vc * bc.unsqueeze(-1), kc * bc.unsqueeze(-1) * _decay(gc)], -1)
+    uw = torch.linalg.solve_triangular(akk + eye, rhs, upper=False, unitriangular=True)
+    U, Wm = uw[..., :V], uw[..., V:]  # [NC, H, C, V], [NC, H, C, K]
+
+    q_dec = qc * _decay(gc)  # [NC, H, C, K]
+    g_last = gc[..., -1:, :]  # [NC, H, 1, K]
+    k_dec = kc * _decay(g_last - gc)  # [NC, H, C, K], decay from each position to the chunk end
+    state_decay = _decay(g_last).transpose(-1, -2)  # [NC, H, K, 1]
+
+    S = q.new_zeros(steps[0], H, K, V)
+    outs = []
+    off = 0
+    for n, m in enumerate(steps):
+        S = S[:m]
+        sl = slice(off, off + m)
+        u = U[sl] - torch.matmul(Wm[sl], S)
+        outs.append(torch.matmul(q_dec[sl], S) + torch.matmul(aqk[sl], u))
+        if n + 1 < len(steps):
+            S = state_decay[sl] * S + torch.matmul(k_dec[sl].transpose(-1, -2), u)
+        off += m
+    o = torch.cat(outs, 0).transpose(1, 2).reshape(NC * C, H, V)[inv]  # [T, H, V]
+    return o.reshape(b, s, H, V).to(out_dtype)
+
+
+def recurrent_kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, scale: Optional[float] = None,
+                            cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm: bool = False) -> torch.Tensor:
+    """Token-by-token reference of :func:`chunk_kda_torch` (same arguments and layout, slow; for tests)."""
+    b, s, H, K = q.shape
+    V = v.shape[-1]
+    out_dtype = q.dtype
+    if scale is None:
+        scale = K ** -0.5
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    resets = set(_flat_cu_seqlens(cu_seqlens, b, s)[:-1])
+    qf, kf, vf, gf, bf = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v, g, beta))
+    outs = []
+    S = None
+    for t in range(b * s):
+        if t in resets:
+            S = q.new_zeros(H, K, V)
+        S = S * torch.exp(gf[t])[..., None]
+        delta = bf[t][:, None] * (vf[t] - (kf[t][..., None] * S).sum(-2))
+        S = S + kf[t][..., None] * delta[:, None, :]
+        outs.append((qf[t][..., None] * S).sum(-2))
+    return torch.stack(outs, 0).reshape(b, s, H, V).to(out_dtype)
+
+
+def chunk_kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                  chunk_size: int = 64, use_qk_l2norm: bool = True) -> torch.Tensor:
+    """:func:`chunk_kda_torch` through flash-linear-attention's ``chunk_kda`` (CUDA + triton; same arguments).
+
+    Packed documents are passed as FLA varlen (``B = 1`` with int64 ``cu_seqlens`` over the flattened tokens).
+    ``g`` is handed over in fp32 (pre-computed decay, ``use_gate_in_kernel=False``). FLA supports chunk sizes 32
+    and 64 only; other values fall back to 64 (the chunk size does not change the result).
+    """
+    missing = []
+    if not torch.cuda.is_available() or not q.is_cuda:
+        missing.append("CUDA tensors (a CUDA device)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        missing.append("triton")
+    chunk_kda = None
+    if not missing:
+        try:
+            from fla.ops.kda import chunk_kda
+        except ImportError as e:  # pragma: no cover - depends on the install
+            missing.append(f"flash-linear-attention (fla.ops.kda: {e})")
+    if missing:
+        raise RuntimeError("kda_backend='fla' needs " + ", ".join(missing)
+                           + "; use kda_backend='torch' to run the PyTorch delta rule instead.")
+    b, s, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    fla_chunk = chunk_size if chunk_size in (32, 64) else 64
+    g = g.float()
+    if cu_seqlens is None:
+        o, _ = chunk_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                         chunk_size=fla_chunk)
+        return o
+    cu_list = _flat_cu_seqlens(cu_seqlens, b, s)
+    cu = torch.tensor(cu_list, dtype=torch.long)
+    q1, k1, v1, g1, b1 = (t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v, g, beta))
+    o, _ = chunk_kda(q=q1, k=k1, v=v1, g=g1, beta=b1, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                     cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu, chunk_size=fla_chunk)
+    return o.reshape(b, s, H, V)
+
+
+# ============================================================================ megatron module
+class KDAGatedRMSNorm(nn.Module):
+    """Per-head RMSNorm over the head dim, times ``sigmoid(gate)``, all in fp32 (HF ``Glm5NextTextRMSNormGated``).
+
+    ``forward(x [..., D], gate [..., D], weight=None) -> [..., D]`` in ``x.dtype``; ``weight`` overrides
+    ``self.weight`` (the module passes a TP-gradient-reduced view of it).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = weight.float() * x * torch.sigmoid(gate.float())
+        return x.to(dtype)
+
+
+@dataclass
+class KimiDeltaAttentionSubmodules:
+    """Linear layers of :class:`KimiDeltaAttention` (a ``ModuleSpec`` or a class each).
+
+    q/k/v/f_b/g_b/b_proj: column-parallel (output split over heads); f_a/g_a_proj: replicated ``[h -> D]``
+    (built as ``cls(in, out, bias=False, device=, dtype=)``); o_proj: row-parallel.
+    """
+
+    q_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    k_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    v_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    f_a_proj: Union[ModuleSpec, type] = nn.Linear
+    f_b_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    b_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    g_a_proj: Union[ModuleSpec, type] = nn.Linear
+    g_b_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    o_proj: Union[ModuleSpec, type] = RowParallelLinear
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+class KimiDeltaAttention(MegatronModule):
+    """Kimi Delta Attention: ``[s, b, h] -> [s, b, h]`` (HF ``Glm5NextTextLinearAttention``).
+
+    q, k, v = SiLU(causal depthwise conv(W x)); forget gate ``g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``
+    (or ``-exp(A_log) * softplus(f + dt_bias)`` when ``linear_lower_bound`` is None) with ``f = f_b(f_a(x))``;
+    ``beta = sigmoid(b_proj(x))``; o = delta rule over L2-normalised q, k; out = o_proj(RMSNorm_D(o) *
+    sigmoid(g_b(g_a(x)))). Heads are split over tensor parallelism (``linear_num_heads / tp`` local heads).
+
+    Parameter names mirror the HF checkpoint (``model.language_model.layers.{i}.self_attn.<name>``) except that
+    HF fuses the three convolutions into ``conv1d.weight`` ``[3 H D, 1, W]`` (= cat(q, k, v)) and keeps
+    ``f_a_proj`` / ``f_b_proj`` / ``A_log`` / ``dt_bias`` under ``forget_gate.``.
+    ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` (``[H D / tp, 1, W]``), ``A_log`` (``[H / tp]``) and ``dt_bias``
+    (``[H D / tp]``) are fp32 and stay fp32 when the module is cast (attribute ``keep_fp32``).
+    Context parallelism is not supported.
+    """
+
+    def __init__(self, config: Glm5Config, submodules: KimiDeltaAttentionSubmodules, layer_number: int,
+                 pg_collection: Optional[ProcessGroupCollection] = None):
+        super().__init__(config)
+        self.config = config
+        self.layer_number = layer_number
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        self.tp_size = pg_collection.tp.size()
+        cp = getattr(pg_collection, "cp", None)
+        if cp is not None and cp.size() > 1:
+            raise NotImplementedError("KimiDeltaAttention does not support context parallelism (cp > 1)")
+
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        if self.num_heads % self.tp_size:
+            raise ValueError(f"linear_num_heads ({self.num_heads}) must be divisible by the tensor-parallel size "
+                             f"({self.tp_size})")
+        self.num_heads_local = self.num_heads // self.tp_size
+        self.kda_dim = self.num_heads * self.head_dim
+        self.kda_dim_local = self.num_heads_local * self.head_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        self.lower_bound = config.linear_lower_bound
+        self.chunk_size = config.kda_chunk_size
+        self.backend = config.kda_backend
+        self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
+        device = torch.cuda.current_device()
+
+        def column(spec, in_size, out_size):
+            return build_module(spec, in_size, out_size, config=config, init_method=config.init_method,
+                                gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
+                                tp_group=self.tp_group)
+
+        def replicated(spec, in_size, out_size):
+            return build_module(spec, in_size, out_size, bias=False, device=device, dtype=config.params_dtype)
+
+        h, D, HD = self.hidden_size, self.head_dim, self.kda_dim
+        submodules = submodules if submodules is not None else KimiDeltaAttentionSubmodules()
+        self.q_proj = column(submodules.q_proj, h, HD)
+        self.k_proj = column(submodules.k_proj, h, HD)
+        self.v_proj = column(submodules.v_proj, h, HD)
+        self.f_a_proj = replicated(submodules.f_a_proj, h, D)
+        self.f_b_proj = column(submodules.f_b_proj, D, HD)
+        self.b_proj = column(submodules.b_proj, h, self.num_heads)
+        self.g_a_proj = replicated(submodules.g_a_proj, h, D)
+        self.g_b_proj = column(submodules.g_b_proj, D, HD)
+        self.o_norm = KDAGatedRMSNorm(D, eps=config.layernorm_epsilon, device=device, dtype=config.params_dtype)
+        self.o_proj = build_module(submodules.o_proj, HD, h, config=config,
+                                   init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+                                   skip_bias_add=True, is_expert=False, tp_group=self.tp_group)
+
+        def fp32_param(*shape):
+            p = nn.Parameter(torch.empty(*shape, device=device, dtype=torch.float32))
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+            p.keep_fp32 = True
+            return p
+
+        self.q_conv1d = fp32_param(self.kda_dim_local, 1, self.conv_kernel)
+        self.k_conv1d = fp32_param(self.kda_dim_local, 1, self.conv_kernel)
+        self.v_conv1d = fp32_param(self.kda_dim_local, 1, self.conv_kernel)
+        self.A_log = fp32_param(self.num_heads_local)
+        self.dt_bias = fp32_param(self.kda_dim_local)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self):
+        """HF ``_init_weights``: conv ~ N(0, init_method_std); A_log = 0 (bounded gate) or log U(1, 16);
+        dt_bias = inverse-softplus of a log-uniform value in [1e-3, 1e-1]; o_norm = 1; f_a/g_a via init_method.
+        The TP-sharded tensors draw from megatron's model-parallel RNG (different per TP rank)."""
+        if not self.config.perform_initialization:
+            return
+        with get_cuda_rng_tracker().fork():
+            for w in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+                w.normal_(0.0, self.config.init_method_std)
+            if self.lower_bound is not None:
+                self.A_log.zero_()
+            else:
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        for lin in (self.f_a_proj, self.g_a_proj):
+            self.config.init_method(lin.weight)
+        self.o_norm.weight.fill_(1.0)
+
+    def _apply(self, fn, recurse=True):
+        """Keep the ``keep_fp32`` parameters (and their grads) in fp32 across ``.to(dtype)`` / ``.bfloat16()``;
+        device moves still apply."""
+        keep = set()
+        for p in self._parameters.values():
+            if p is not None and getattr(p, "keep_fp32", False):
+                keep.add(id(p))
+                if p.grad is not None:
+                    keep.add(id(p.grad))
+        if not keep:
+            return super()._apply(fn, recurse)
+
+        def fn_keep(t):
+            out = fn(t)
+            if id(t) in keep and out.is_floating_point() and out.dtype != t.dtype:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(fn_keep, recurse)
+
+    # ------------------------------------------------------------------ forward
+    def _replicated_linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """f_a / g_a on the (possibly sequence-parallel) input. Under sequence parallelism each rank only sees its
+        slice of the sequence, so the replicated weight's gradient is summed over the TP group in backward."""
+        if False:
+            w = copy_to_tensor_model_parallel_region(module.weight, group=self.tp_group)
+            return F.linear(x, w)
+        return _first(module(x))
+
+    def _forget_gate(self, f: torch.Tensor) -> torch.Tensor:
+        """``f`` [..., H_local * D] -> log decay ``g`` [..., H_local, D] (fp32)."""
+        g = (f.float() + self.dt_bias.float()).view(*f.shape[:-1], self.num_heads_local, self.head_dim)
+        a = torch.exp(self.A_log.float())[:, None]  # [H_local, 1]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(a * g)
+        return -a * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None, **kwargs):
+        """``hidden_states`` ``[s, b, h]`` (``[s / tp, b, h]`` under sequence parallelism) -> ``(out [s, b, h],
+        None)``. ``packed_seq_params.cu_seqlens_q`` (``b = 1``) marks document boundaries; ``attention_mask`` is
+        ignored (the mixer is causal by construction)."""
+        x = hidden_states
+        q = _first(self.q_proj(x))  # [s, b, H_l * D]
+        k = _first(self.k_proj(x))
+        v = _first(self.v_proj(x))
+        s, b = q.shape[:2]
+        cu = None
+        if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None:
+            if b != 1:
+                raise ValueError(f"packed rows need batch size 1, got {b}")
+            cu = row_cu_seqlens(packed_seq_params, s, q.device)
+        act_dtype = q.dtype
+
+        def conv(t, w):  # [s, b, c] -> [b, s, H_l, D]
+            y = F.silu(causal_depthwise_conv1d(t.transpose(0, 1), w, cu)).to(act_dtype)
+            return y.view(b, s, self.num_heads_local, self.head_dim)
+
+        q, k, v = conv(q, self.q_conv1d), conv(k, self.k_conv1d), conv(v, self.v_conv1d)
+        g = self._forget_gate(_first(self.f_b_proj(self._replicated_linear(self.f_a_proj, x)))).transpose(0, 1)
+        beta = torch.sigmoid(_first(self.b_proj(x))).transpose(0, 1)  # [b, s, H_l]
+
+        core = chunk_kda_fla if self.backend == "fla" else chunk_kda_torch
+        o = core(q, k, v, g, beta, scale=self.head_dim ** -0.5, cu_seqlens=cu, chunk_size=self.chunk_size,
+                 use_qk_l2norm=True)  # [b, s, H_l, D]
+
+        gate = _first(self.g_b_proj(self._replicated_linear(self.g_a_proj, x)))
+        gate = gate.view(s, b, self.num_heads_local, self.head_dim)
+        w = self.o_norm.weight
+        if False:  # each rank normalises its own heads: sum the norm weight's gradient over TP
+            w = copy_to_tensor_model_parallel_region(w, group=self.tp_group)
+        o = self.o_norm(o.transpose(0, 1), gate, weight=w).reshape(s, b, self.kda_dim_local)
+        out, bias = self.o_proj(o)
+        return out, bias
+
+    # ------------------------------------------------------------------ checkpointing
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Conv weights, A_log and dt_bias are TP-sharded along dim 0; the parallel linears shard themselves;
+        f_a_proj, g_a_proj and o_norm are replicated."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        sharded = make_sharded_tensors_for_checkpoint(
+            own, prefix, {name: 0 for name in ("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias")},
+            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        for name, module in self.named_children():
+            sharded.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                      tp_group=self.tp_group))
+        return sharded
+
+
+def get_kda_module_spec() -> ModuleSpec:
+    """``ModuleSpec`` of :class:`KimiDeltaAttention` with megatron-core's local parallel linears."""
+    return ModuleSpec(module=KimiDeltaAttention, submodules=KimiDeltaAttentionSubmodules(
+        q_proj=ColumnParallelLinear, k_proj=ColumnParallelLinear, v_proj=ColumnParallelLinear,
+        f_a_proj=nn.Linear, f_b_proj=ColumnParallelLinear, b_proj=ColumnParallelLinear,
+        g_a_proj=nn.Linear, g_b_proj=ColumnParallelLinear, o_proj=RowParallelLinear))

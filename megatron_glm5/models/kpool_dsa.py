@@ -1,0 +1,354 @@
+"""KPool DSA attention of GLM-5.3-Flash (HF ``Glm5NextTextAttention``): NoPE MLA + sparse attention over the
+positions picked by the KPool indexer, on megatron-core linears.
+
+Math (``H`` heads, ``dq = qk_head_dim``, ``dv = v_head_dim``, ``r = kv_lora_rank``; no RoPE anywhere)::
+
+    q_resid = RMSNorm(q_a_proj x)                       [s, b, q_lora_rank]
+    q       = q_b_proj q_resid                          [s, b, H, dq]
+    c       = RMSNorm(kv_a_proj_with_mqa x)             [s, b, r]       (the KV latent, shared by all heads)
+    k, v    = split(kv_b_proj c)                        [s, b, H, dq], [s, b, H, dv]
+    S       = indexer(x, q_resid)  or the previous full layer's selection ('shared' layers)
+    o_i     = sum_{j in S_i} softmax_j(q_i . k_j * dq^-0.5) v_j
+    out     = o_proj o
+
+Two backends (``config.dsa_backend``) compute the same ``o``:
+
+* ``'torch'``: masked dense reference: a boolean ``[b, s, s]`` mask from the selection and
+  ``scaled_dot_product_attention`` over expanded per-head K/V. ``O(s^2)`` memory.
+* ``'sparse'``: the absorbed form, linear in ``s``: with ``kv_b_proj`` split into ``W_kc [H, dq, r]`` and
+  ``W_vc [H, dv, r]``, ``q_lat = q W_kc`` ``[s, H, r]``; per query, gather the selected latent rows
+  ``c[S_i]`` ``[width, r]``, ``p = softmax(q_lat . c[S_i] * scale)``, ``o = (p c[S_i]) W_vc^T``. Queries are
+  processed in chunks under activation checkpointing, so the gathered ``[chunk, width, r]`` rows are never held
+  for more than one chunk.
+
+Packed rows (``b = 1`` + ``PackedSeqParams``) need nothing beyond the indexer: it only selects positions of the
+query's own document, so queries never attend across documents. Queries with an empty selection (possible only
+with ``index_kpool_always_select_tail = False``, for the first ``kpool - 1`` tokens of a document) output zeros
+(HF's output is undefined there).
+
+Tensor parallelism: heads are sharded (``q_b_proj``/``kv_b_proj`` column-parallel, ``o_proj`` row-parallel);
+``q_a_proj``, ``kv_a_proj_with_mqa``, the two RMSNorms and the indexer are replicated. Sequence and context
+parallelism are not supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.utils import get_pg_size
+from torch.utils.checkpoint import checkpoint
+
+from megatron_glm5.models.kpool_indexer import KPoolIndexer, ReplicatedLinear, _param_device, mark_replicated
+
+__all__ = [
+    "RMSNorm",
+    "Glm5DSAttentionSubmodules",
+    "Glm5DSAttention",
+    "get_dsa_module_spec",
+    "topk_indices_to_mask",
+    "dense_topk_attention",
+    "sparse_topk_attention",
+]
+
+
+class RMSNorm(torch.nn.Module):
+    """``weight * (x / sqrt(mean(x^2) + eps))`` computed in fp32, cast back before the weight (HF
+    ``Glm5NextTextRMSNorm``). Replicated over TP."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, config=None, **_unused):
+        super().__init__()
+        device = _param_device(config) if config is not None else None
+        dtype = config.params_dtype if config is not None else None
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        mark_replicated(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+@dataclass
+class Glm5DSAttentionSubmodules:
+    """Module classes / specs of :class:`Glm5DSAttention` (attribute names are the HF checkpoint names)."""
+
+    q_a_proj: Union[ModuleSpec, type] = None
+    q_a_layernorm: Union[ModuleSpec, type] = None
+    q_b_proj: Union[ModuleSpec, type] = None
+    kv_a_proj_with_mqa: Union[ModuleSpec, type] = None
+    kv_a_layernorm: Union[ModuleSpec, type] = None
+    kv_b_proj: Union[ModuleSpec, type] = None
+    o_proj: Union[ModuleSpec, type] = None
+    indexer: Union[ModuleSpec, type] = None
+
+
+def get_dsa_module_spec() -> ModuleSpec:
+    """ModuleSpec of the KPool DSA attention with megatron-core local (non-TE) TP linears."""
+    return ModuleSpec(
+        module=Glm5DSAttention,
+        submodules=Glm5DSAttentionSubmodules(
+            q_a_proj=ReplicatedLinear,
+            q_a_layernorm=RMSNorm,
+            q_b_proj=ColumnParallelLinear,
+            kv_a_proj_with_mqa=ReplicatedLinear,
+            kv_a_layernorm=RMSNorm,
+            kv_b_proj=ColumnParallelLinear,
+            o_proj=RowParallelLinear,
+            indexer=KPoolIndexer,
+        ),
+    )
+
+
+def _out(y):
+    """Output tensor of a linear (megatron linears return ``(output, bias)``)."""
+    return y[0] if isinstance(y, tuple) else y
+
+
+# ---------------------------------------------------------------------------- attention kernels
+def topk_indices_to_mask(topk_indices: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """Boolean ``[b, s, kv_length]`` mask (True = attend) from ``topk_indices [b, s, w]`` (``-1`` = unused)."""
+    b, s, _ = topk_indices.shape
+    idx = topk_indices.long()
+    idx = torch.where((idx >= 0) & (idx < kv_length), idx, kv_length)
+    mask = torch.zeros(b, s, kv_length + 1, dtype=torch.bool, device=topk_indices.device)
+    mask.scatter_(-1, idx, True)
+    return mask[..., :kv_length]
+
+
+def dense_topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Masked dense reference. ``q [b, s, H, dq]``, ``k [b, t, H, dq]``, ``v [b, t, H, dv]``,
+    ``topk_indices [b, s, w]`` -> ``[b, s, H, dv]``. Builds the ``[b, s, t]`` mask: ``O(s t)`` memory.
+    Rows with an empty selection output zeros."""
+    mask = topk_indices_to_mask(topk_indices, k.shape[1])          # [b, s, t]
+    has_any = mask.any(-1)                                         # [b, s]
+    mask = mask | ~has_any[..., None]                              # keep every row finite; zeroed below
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale)   # [b, H, s, dv]
+    out = out.transpose(1, 2)
+    return out * has_any[..., None, None].to(out.dtype)
+
+
+def _sparse_chunk(q_lat: torch.Tensor, kv_lat: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """One query chunk of the absorbed sparse attention.
+
+    ``q_lat [c, H, r]``, ``kv_lat [N, r]`` (all latent rows), ``idx [c, w]`` (row numbers, safe), ``valid [c, w]``
+    -> ``o_lat [c, H, r]``.
+    """
+    kv_sel = kv_lat[idx]                                                       # [c, w, r]
+    scores = torch.einsum("chr,cwr->chw", q_lat, kv_sel).float() * scale      # [c, H, w]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    has_any = valid.any(-1)                                                    # [c]
+    scores = scores.masked_fill(~has_any[:, None, None], 0.0)                 # empty rows: finite, zeroed below
+    probs = scores.softmax(dim=-1).to(kv_sel.dtype)
+    o_lat = torch.einsum("chw,cwr->chr", probs, kv_sel)
+    return o_lat * has_any[:, None, None].to(o_lat.dtype)
+
+
+def sparse_topk_attention(q: torch.Tensor, kv_lat: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+                          topk_indices: torch.Tensor, scale: float, query_chunk: int = 1024) -> torch.Tensor:
+    """Absorbed-MLA sparse attention, linear in the sequence length.
+
+    Args:
+        q: ``[b, s, H, dq]`` queries.
+        kv_lat: ``[b, t, r]`` normalised KV latents.
+        w_kc: ``[H, dq, r]`` key part of ``kv_b_proj`` (``k_h = W_kc[h] c``).
+        w_vc: ``[H, dv, r]`` value part of ``kv_b_proj``.
+        topk_indices: ``[b, s, w]`` selected positions in ``[0, t)``, ``-1`` unused; duplicates count once.
+        scale: softmax scale.
+        query_chunk: queries per chunk; the peak extra memory is ``O(query_chunk * w * (r + H))``.
+
+    Returns:
+        ``[b, s, H, dv]``; rows with an empty selection are zero. Differentiable w.r.t. ``q``, ``kv_lat``,
+        ``w_kc`` and ``w_vc`` (each chunk is recomputed in backward when autograd is on).
+    """
+    b, s, H, _ = q.shape
+    t, r = kv_lat.shape[1], kv_lat.shape[2]
+    q_lat = torch.einsum("bshd,hdr->bshr", q, w_kc).reshape(b * s, H, r)      # [b*s, H, r]
+    flat_kv = kv_lat.reshape(b * t, r)
+
+    # Sort each row so duplicates are adjacent and count them once (a mask built by scatter does the same).
+    idx, _ = topk_indices.long().sort(dim=-1)
+    valid = (idx >= 0) & (idx < t)
+    dup = torch.zeros_like(valid)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    valid = valid & ~dup
+    row_offset = (torch.arange(b, device=idx.device) * t)[:, None, None]
+    idx = torch.where(valid, idx + row_offset, 0).reshape(b * s, -1)
+    valid = valid.reshape(b * s, -1)
+
+    use_ckpt = torch.is_grad_enabled() and (q_lat.requires_grad or flat_kv.requires_grad)
+    outs = []
+    for a in range(0, b * s, query_chunk):
+        e = min(b * s, a + query_chunk)
+        if use_ckpt:
+            outs.append(checkpoint(_sparse_chunk, q_lat[a:e], flat_kv, idx[a:e], valid[a:e], scale,
+                                   use_reentrant=False))
+        else:
+            outs.append(_sparse_chunk(q_lat[a:e], flat_kv, idx[a:e], valid[a:e], scale))
+    o_lat = torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]            # [b*s, H, r]
+    out = torch.einsum("nhr,hvr->nhv", o_lat, w_vc)                           # [b*s, H, dv]
+    return out.reshape(b, s, H, -1)
+
+
+# ---------------------------------------------------------------------------- the module
+class Glm5DSAttention(MegatronModule):
+    """KPool DSA: NoPE MLA whose queries attend only to the indexer's positions (see the module docstring).
+
+    Parameters (HF ``model.language_model.layers.{i}.self_attn.<name>``): ``q_a_proj.weight [q_lora, h]``,
+    ``q_a_layernorm.weight``, ``q_b_proj.weight [H*dq, q_lora]``, ``kv_a_proj_with_mqa.weight [r, h]``,
+    ``kv_a_layernorm.weight``, ``kv_b_proj.weight [H*(dq+dv), r]`` (per head: ``dq`` key rows then ``dv`` value
+    rows), ``o_proj.weight [h, H*dv]`` and ``indexer.*`` (absent on 'shared' layers). TP shards the ``H`` rows of
+    ``q_b_proj``/``kv_b_proj`` and the ``H*dv`` columns of ``o_proj``.
+
+    Args:
+        config: ``Glm5Config``.
+        submodules: :class:`Glm5DSAttentionSubmodules`.
+        layer_number: 1-based global layer number; the layer is 'shared' iff
+            ``config.indexer_types[layer_number - 1] == 'shared'`` (no indexer; the caller passes the previous
+            full layer's ``topk_indices`` as ``shared_topk_indices``).
+        pg_collection: process groups (``tp`` is used); default: megatron's global groups.
+    """
+
+    sparse_query_chunk: int = 1024
+
+    def __init__(self, config, submodules: Glm5DSAttentionSubmodules, layer_number: int,
+                 pg_collection: Optional[ProcessGroupCollection] = None):
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        tp = get_pg_size(self.tp_group)
+        if config.sequence_parallel:
+            raise NotImplementedError("Glm5DSAttention does not support sequence parallelism")
+        cp_group = getattr(pg_collection, "cp", None)
+        if cp_group is not None and get_pg_size(cp_group) > 1:
+            raise NotImplementedError("Glm5DSAttention does not support context parallelism")
+        if config.qk_pos_emb_head_dim:
+            raise ValueError("GLM-5.3 DSA is NoPE: qk_pos_emb_head_dim must be 0")
+
+        self.layer_number = layer_number
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        if self.num_heads % tp:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not divisible by TP size {tp}")
+        self.num_heads_local = self.num_heads // tp
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_head_dim = config.qk_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.softmax_scale = self.qk_head_dim ** -0.5
+        self.backend = config.dsa_backend
+        self.is_shared = config.indexer_types[layer_number - 1] == "shared"
+
+        h, H = self.hidden_size, self.num_heads
+        eps = config.layernorm_epsilon
+        self.q_a_proj = build_module(submodules.q_a_proj, h, self.q_lora_rank, config=config,
+                                     init_method=config.init_method, bias=False)
+        self.q_a_layernorm = build_module(submodules.q_a_layernorm, self.q_lora_rank, eps=eps, config=config)
+        self.q_b_proj = build_module(submodules.q_b_proj, self.q_lora_rank, H * self.qk_head_dim, config=config,
+                                     init_method=config.init_method, bias=False, gather_output=False,
+                                     skip_bias_add=False, tp_group=self.tp_group)
+        self.kv_a_proj_with_mqa = build_module(submodules.kv_a_proj_with_mqa, h, self.kv_lora_rank, config=config,
+                                               init_method=config.init_method, bias=False)
+        self.kv_a_layernorm = build_module(submodules.kv_a_layernorm, self.kv_lora_rank, eps=eps, config=config)
+        self.kv_b_proj = build_module(submodules.kv_b_proj, self.kv_lora_rank,
+                                      H * (self.qk_head_dim + self.v_head_dim), config=config,
+                                      init_method=config.init_method, bias=False, gather_output=False,
+                                      skip_bias_add=False, tp_group=self.tp_group)
+        self.o_proj = build_module(submodules.o_proj, H * self.v_head_dim, h, config=config,
+                                   init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+                                   skip_bias_add=False, tp_group=self.tp_group)
+        self.indexer = None
+        if not self.is_shared:
+            self.indexer = build_module(submodules.indexer, config=config, layer_number=layer_number,
+                                        pg_collection=pg_collection)
+
+    # ------------------------------------------------------------------ helpers
+    def absorbed_weights(self):
+        """``(W_kc [H_local, dq, r], W_vc [H_local, dv, r])`` views of the local ``kv_b_proj`` weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads_local, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_head_dim], w[:, self.qk_head_dim:]
+
+    def _attention_torch(self, q, kv_lat, topk_indices):
+        """'torch' backend: expand K/V with ``kv_b_proj`` and run masked dense SDPA. ``q [s, b, Hl, dq]``,
+        ``kv_lat [s, b, r]`` -> ``[s, b, Hl, dv]``."""
+        s, b = kv_lat.shape[:2]
+        kv = _out(self.kv_b_proj(kv_lat)).view(s, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
+        k, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        out = dense_topk_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), topk_indices,
+                                   self.softmax_scale)
+        return out.transpose(0, 1)
+
+    def _attention_sparse(self, q, kv_lat, topk_indices):
+        """'sparse' backend: absorbed MLA over the gathered latents, ``O(s * width)``. Same shapes as
+        :meth:`_attention_torch`. The latent bypasses ``kv_b_proj``'s forward, so its TP input-gradient all-reduce
+        is done here."""
+        w_kc, w_vc = self.absorbed_weights()
+        if get_pg_size(self.tp_group) > 1:
+            kv_lat = copy_to_tensor_model_parallel_region(kv_lat, group=self.tp_group)
+        out = sparse_topk_attention(q.transpose(0, 1), kv_lat.transpose(0, 1), w_kc, w_vc, topk_indices,
+                                    self.softmax_scale, query_chunk=self.sparse_query_chunk)
+        return out.transpose(0, 1)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None,
+                shared_topk_indices: Optional[torch.Tensor] = None, **kwargs):
+        """
+        Args:
+            hidden_states: ``[s, b, h]``.
+            attention_mask: ignored (causality and document boundaries come from the indexer's selection).
+            packed_seq_params: document boundaries of a packed row (``b = 1``).
+            shared_topk_indices: ``[b, s, w]`` selection of the previous full DSA layer; required on 'shared'
+                layers, ignored otherwise.
+            **kwargs: other megatron attention arguments (rotary embeddings etc.), ignored (NoPE).
+
+        Returns:
+            ``(output [s, b, h], topk_indices [b, s, w] int32)``; the selection is returned so that a later
+            'shared' layer can reuse it.
+        """
+        s, b, _ = hidden_states.shape
+        q_resid = self.q_a_layernorm(_out(self.q_a_proj(hidden_states)))                 # [s, b, q_lora]
+        q = _out(self.q_b_proj(q_resid)).view(s, b, self.num_heads_local, self.qk_head_dim)
+        kv_lat = self.kv_a_layernorm(_out(self.kv_a_proj_with_mqa(hidden_states)))       # [s, b, r]
+
+        if self.indexer is not None:
+            topk_indices = self.indexer(hidden_states, q_resid, packed_seq_params=packed_seq_params)
+        else:
+            if shared_topk_indices is None:
+                raise ValueError(f"layer {self.layer_number} is a 'shared' DSA layer: pass the previous full "
+                                 f"layer's topk indices as shared_topk_indices")
+            topk_indices = shared_topk_indices
+
+        if self.backend == "sparse":
+            out = self._attention_sparse(q, kv_lat, topk_indices)
+        elif self.backend == "torch":
+            out = self._attention_torch(q, kv_lat, topk_indices)
+        else:
+            raise ValueError(f"unknown dsa_backend {self.backend!r}")
+        out = out.reshape(s, b, self.num_heads_local * self.v_head_dim)
+        output = _out(self.o_proj(out))
+        return output, topk_indices
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):
+        """megatron-core default: ``q_b_proj``/``kv_b_proj`` shard axis 0 and ``o_proj`` axis 1 over TP (their own
+        ``sharded_state_dict``); everything else (replicated linears, norms, the indexer) is saved as a TP
+        replica."""
+        return super().sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)

@@ -1,0 +1,243 @@
+"""The KPool DSA indexer of GLM-5.3-Flash (HF ``Glm5NextTextIndexer``), extended to packed rows.
+
+The indexer picks, for every query, the key positions its sparse attention may read:
+
+1. Per position ``t``: an indexer key ``k_t = LayerNorm(wk x_t)`` ``[D]`` and a pooling gate
+   ``g_t = W_gate x_t`` ``[D]`` (``D = index_head_dim``).
+2. Keys are grouped into *pools* of ``index_kpool`` consecutive tokens, counted from the first token of the
+   document. Only complete pools are candidates. A pool's key is a per-dimension softmax over its ``kpool`` slots
+   of ``g_t + ape[slot]`` (fp32) weighting the slot keys: ``poolkey[d] = sum_j softmax_j(g[j, d] + ape[j, d]) k[j, d]``.
+3. Per query ``i`` (``H = index_n_heads`` heads, ``q_i = wq_b q_resid_i`` ``[H, D]``):
+   ``score(i, p) = sum_h w_ih * relu(q_ih . poolkey_p * D^-0.5)``, ``w_i = weights_proj(x_i) * H^-0.5``.
+4. A pool is selectable iff its last token is visible to the query (causal and, for packed rows, in the same
+   document). The ``min(index_topk / kpool, n_pools)`` best selectable pools are expanded to their tokens.
+5. With ``index_kpool_always_select_tail`` the query's own incomplete pool (document-local positions
+   ``[visible - visible % kpool, visible)``, i.e. up to and including the query) is appended.
+
+Packed rows (``b = 1`` plus megatron-core ``PackedSeqParams``) behave exactly like running HF on every document
+separately: pools start at each document's first token, visibility is causal and same-document, tails are
+document-local, and the returned indices are row positions (document start + local index). ``-1`` marks an
+unused slot.
+
+Output layout ``[b, s, width]`` int32: slots ``[0, index_topk)`` hold the tokens of the selected pools (``-1``
+padded), slots ``[index_topk, index_topk + kpool - 1)`` hold the tail when ``index_kpool_always_select_tail``
+(``width = index_topk + kpool - 1``; otherwise ``width = index_topk``). Selected pools are disjoint and do not
+overlap the tail, so no position appears twice. Only the set of positions matters to the attention.
+
+The indexer runs under ``torch.no_grad``: its weights receive no gradient from the attention (GLM-5.3 trains it
+with a separate objective, if at all).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_glm5.models.packing import document_ids, document_starts, row_cu_seqlens
+
+__all__ = ["ReplicatedLinear", "KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]
+
+
+def _param_device(config) -> torch.device:
+    if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def mark_replicated(module: torch.nn.Module) -> None:
+    """Tag every parameter of ``module`` as *not* tensor-parallel (replicated on all TP ranks).
+
+    megatron-core reads ``tensor_model_parallel = False`` to count the parameter once in the grad norm, and its
+    default ``sharded_state_dict`` saves such tensors as TP replicas.
+    """
+    for p in module.parameters(recurse=True):
+        set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+
+
+class ReplicatedLinear(torch.nn.Linear):
+    """A bias-free ``torch.nn.Linear`` replicated over tensor parallelism (``y = x W^T``; ``weight [out, in]``).
+
+    Built like a megatron linear (``config``, ``init_method``) so it can sit in a ``ModuleSpec``. Returns a tensor,
+    not an ``(output, bias)`` tuple.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config=None, init_method: Optional[Callable] = None,
+                 bias: bool = False, **_unused):
+        dtype = config.params_dtype if config is not None else None
+        device = _param_device(config) if config is not None else None
+        super().__init__(input_size, output_size, bias=bias, device=device, dtype=dtype)
+        if init_method is None and config is not None:
+            init_method = config.init_method
+        if init_method is not None and (config is None or config.perform_initialization):
+            with torch.no_grad():
+                init_method(self.weight)
+                if self.bias is not None:
+                    self.bias.zero_()
+        mark_replicated(self)
+
+
+def kpool_pool_layout(cu_seqlens: torch.Tensor, kpool: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Complete document-local pools of one row.
+
+    Args:
+        cu_seqlens: int ``[n_docs + 1]`` document boundaries of the row.
+        kpool: tokens per pool.
+
+    Returns:
+        pool_tokens: int64 ``[P, kpool]`` row positions of every complete pool, ordered by position
+            (document ``d`` contributes ``len_d // kpool`` pools starting at its first token).
+        pool_doc: int64 ``[P]`` document index of every pool (non-decreasing).
+    """
+    cu = cu_seqlens.long()
+    n_pools = (cu[1:] - cu[:-1]) // kpool                      # [n_docs]
+    docs = torch.arange(n_pools.numel(), device=cu.device)
+    pool_doc = torch.repeat_interleave(docs, n_pools)          # [P]
+    first_pool = torch.cumsum(n_pools, 0) - n_pools            # [n_docs]
+    local = torch.arange(pool_doc.numel(), device=cu.device) - first_pool[pool_doc]
+    pool_start = cu[pool_doc] + local * kpool                  # [P]
+    pool_tokens = pool_start[:, None] + torch.arange(kpool, device=cu.device)
+    return pool_tokens, pool_doc
+
+
+def kpool_tail_indices(cu_seqlens: torch.Tensor, seq_len: int, kpool: int) -> torch.Tensor:
+    """The query's own incomplete pool, as row positions.
+
+    For query ``i`` with ``v = i - doc_start + 1`` visible tokens in its document, the tail is the ``v % kpool``
+    positions ``[i + 1 - v % kpool, i]``.
+
+    Returns:
+        int64 ``[seq_len, kpool - 1]``, ``-1`` in unused slots.
+    """
+    device = cu_seqlens.device
+    pos = torch.arange(seq_len, device=device)
+    visible = pos - document_starts(cu_seqlens, seq_len) + 1
+    tail_count = visible % kpool
+    offsets = torch.arange(kpool - 1, device=device)
+    tail = (pos + 1 - tail_count)[:, None] + offsets
+    return tail.masked_fill(offsets[None, :] >= tail_count[:, None], -1)
+
+
+class KPoolIndexer(MegatronModule):
+    """KPool DSA indexer (see the module docstring). All parameters are replicated over TP.
+
+    Parameters (HF names): ``wq_b.weight [H*D, q_lora_rank]``, ``wk.weight [D, hidden]``, ``k_norm.weight/bias [D]``
+    (LayerNorm, eps 1e-6), ``weights_proj.weight [H, hidden]``, ``index_kpool_compress_ape [kpool, D]`` (kept in
+    fp32, ``keep_fp32 = True``), ``index_kpool_compress_gate [D, hidden]``.
+    """
+
+    # Upper bound on the elements of the per-chunk [b, chunk, H, n_pools] score tensor.
+    score_chunk_elements: int = 1 << 25
+
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.hidden_size = config.hidden_size
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.q_lora_rank = config.q_lora_rank
+        self.index_topk = config.index_topk
+        self.kpool = config.index_kpool
+        self.always_select_tail = config.index_kpool_always_select_tail
+        self.softmax_scale = self.head_dim ** -0.5
+        if self.index_topk % self.kpool:
+            raise ValueError(f"index_topk {self.index_topk} is not divisible by index_kpool {self.kpool}")
+
+        device, dtype = _param_device(config), config.params_dtype
+        init = config.init_method
+        self.wq_b = ReplicatedLinear(self.q_lora_rank, self.n_heads * self.head_dim, config=config, init_method=init)
+        self.wk = ReplicatedLinear(self.hidden_size, self.head_dim, config=config, init_method=init)
+        self.k_norm = torch.nn.LayerNorm(self.head_dim, eps=1e-6, device=device, dtype=dtype)
+        self.weights_proj = ReplicatedLinear(self.hidden_size, self.n_heads, config=config, init_method=init)
+        # HF init: ape = 0, gate = 1.
+        self.index_kpool_compress_ape = torch.nn.Parameter(
+            torch.zeros(self.kpool, self.head_dim, device=device, dtype=torch.float32))
+        self.index_kpool_compress_ape.keep_fp32 = True
+        self.index_kpool_compress_gate = torch.nn.Parameter(
+            torch.ones(self.head_dim, self.hidden_size, device=device, dtype=dtype))
+        mark_replicated(self)
+
+    @property
+    def output_width(self) -> int:
+        """Slots per query: ``index_topk`` (+ ``kpool - 1`` tail slots with ``always_select_tail``)."""
+        return self.index_topk + (self.kpool - 1 if self.always_select_tail else 0)
+
+    # ------------------------------------------------------------------ pieces
+    def pooled_keys(self, keys: torch.Tensor, gates: torch.Tensor, pool_tokens: torch.Tensor) -> torch.Tensor:
+        """Pool keys ``[b, P, D]`` from per-position keys / gate logits ``[b, s, D]`` and ``pool_tokens [P, kpool]``:
+        a per-dimension softmax (fp32) over the ``kpool`` slots of ``gate + ape`` weights the slot keys."""
+        grouped_keys = keys[:, pool_tokens]                                       # [b, P, kpool, D]
+        logits = gates[:, pool_tokens].float() + self.index_kpool_compress_ape.float()[None, None]
+        probs = logits.softmax(dim=2).to(grouped_keys.dtype)
+        return (probs * grouped_keys).sum(dim=2)
+
+    @torch.no_grad()
+    def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        """Select the attended positions of every query.
+
+        Args:
+            hidden_states: ``[s, b, hidden]`` the attention input.
+            q_resid: ``[s, b, q_lora_rank]`` ``q_a_layernorm(q_a_proj(x))`` of the attention.
+            packed_seq_params: document boundaries of a packed row (``b`` must be 1); ``None``: every batch row
+                is one document.
+
+        Returns:
+            ``[b, s, output_width]`` int32 row positions, ``-1`` for unused slots (layout in the module docstring).
+        """
+        s, b, _ = hidden_states.shape
+        device = hidden_states.device
+        if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None and b != 1:
+            raise ValueError(f"a packed row must have batch size 1, got {b}")
+        cu = row_cu_seqlens(packed_seq_params, s, device)
+        x = hidden_states.transpose(0, 1)                                          # [b, s, h]
+        H, D, kp = self.n_heads, self.head_dim, self.kpool
+
+        q = self.wq_b(q_resid.transpose(0, 1)).view(b, s, H, D)                   # [b, s, H, D]
+        keys = self.k_norm(self.wk(x))                                             # [b, s, D]
+        gates = F.linear(x, self.index_kpool_compress_gate)                        # [b, s, D]
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (H ** -0.5)   # [b, s, H]
+
+        pool_tokens, pool_doc = kpool_pool_layout(cu, kp)                          # [P, kp], [P]
+        n_pools = pool_doc.numel()
+        pool_end = pool_tokens[:, -1].contiguous()                                 # [P]
+        pool_keys_t = self.pooled_keys(keys, gates, pool_tokens).float().transpose(-1, -2).unsqueeze(1)  # [b,1,D,P]
+        doc = document_ids(cu, s)                                                  # [s]
+
+        pool_part = torch.full((b, s, self.index_topk), -1, dtype=torch.long, device=device)
+        max_select = self.index_topk // kp
+        chunk = max(16, self.score_chunk_elements // max(1, b * H * n_pools))
+        for a in range(0, s, chunk):
+            e = min(s, a + chunk)
+            # Candidate pools of this chunk form one contiguous range: from the first pool of the chunk's first
+            # document up to the last pool that ends at or before the chunk's last query.
+            lo = int(torch.searchsorted(pool_doc, doc[a:a + 1]).item()) if n_pools else 0
+            hi = int(torch.searchsorted(pool_end, torch.tensor([e - 1], device=device), right=True).item()) \
+                if n_pools else 0
+            if hi <= lo:
+                continue
+            pos = torch.arange(a, e, device=device)
+            valid = (pool_doc[None, lo:hi] == doc[a:e, None]) & (pool_end[None, lo:hi] <= pos[:, None])  # [c, p]
+            scores = torch.matmul(q[:, a:e].float(), pool_keys_t[..., lo:hi])       # [b, c, H, p]
+            scores = F.relu(scores * self.softmax_scale)
+            index_scores = torch.matmul(weights[:, a:e].unsqueeze(-2), scores).squeeze(-2)   # [b, c, p]
+            index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
+            k = min(max_select, hi - lo)
+            selected = index_scores.topk(k, dim=-1).indices                        # [b, c, k]
+            selected_valid = valid.expand(b, -1, -1).gather(-1, selected)          # [b, c, k]
+            tokens = pool_tokens[lo + selected]                                    # [b, c, k, kp]
+            tokens = tokens.masked_fill(~selected_valid[..., None], -1).flatten(-2)
+            pool_part[:, a:e, : k * kp] = tokens
+
+        if self.always_select_tail and kp > 1:
+            tail = kpool_tail_indices(cu, s, kp)[None].expand(b, -1, -1)
+            out = torch.cat([pool_part, tail], dim=-1)
+        else:
+            out = pool_part
+        return out.to(torch.int32)

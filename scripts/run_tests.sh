@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install megatron_glm5 with its pinned dependencies (CPU torch) and run the test suite.
+# Usage: bash scripts/run_tests.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e ".[test]"
+python3 -m pytest -q -m "not slow" "$@"

@@ -1,0 +1,419 @@
+"""Kimi Delta Attention: the conv, the chunked delta rule and the megatron module against references.
+
+References: per-document ``F.conv1d``; FLA's CPU ``naive_recurrent_kda`` (loaded by file path, ``fla.ops.kda``
+needs triton); HF's ``recurrent_kimi_delta_attention`` / ``chunk_kimi_delta_attention`` and
+``Glm5NextTextLinearAttention`` run on every document separately.
+"""
+
+import copy
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_glm5.config import Glm5Config, tiny_hf_config
+from megatron_glm5.models.kda import (
+    KimiDeltaAttention,
+    causal_depthwise_conv1d,
+    chunk_kda_torch,
+    get_kda_module_spec,
+    l2norm,
+    recurrent_kda_reference,
+)
+from megatron_glm5.models.packing import make_packed_seq_params
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+HF_MOD = "transformers.models.glm5_next.modeling_glm5_next"
+
+
+def _rel_max(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _rel_l2(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _load_fla_naive():
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("flash-linear-attention is not installed")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "ops", "kda", "naive.py")
+    mspec = importlib.util.spec_from_file_location("_fla_kda_naive", path)
+    mod = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(mod)
+    return mod
+
+
+def _docs(cu):
+    return list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+
+
+def _random_core_inputs(b, s, H, K, V, gate="bounded", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, H, K, generator=gen)
+    k = torch.randn(b, s, H, K, generator=gen)
+    v = torch.randn(b, s, H, V, generator=gen)
+    raw = torch.randn(b, s, H, K, generator=gen) * 2
+    if gate == "bounded":
+        g = -5.0 * torch.sigmoid(raw)
+    else:  # unbounded softplus gate with large decay rates: long chunks see exp(-hundreds)
+        g = -torch.exp(torch.rand(H, 1, generator=gen) * 2.8)[None, None] * F.softplus(raw)
+    beta = torch.rand(b, s, H, generator=gen)
+    return q, k, v, g, beta
+
+
+# ============================================================================ conv
+def test_causal_depthwise_conv1d_packed():
+    torch.manual_seed(1)
+    W, c = 4, 6
+    cu = torch.tensor([0, 2, 9, 21, 33], dtype=torch.int32)  # first document shorter than W
+    x = torch.randn(1, 33, c)
+    w = torch.randn(c, W)
+    out = causal_depthwise_conv1d(x, w, cu)
+    ref = torch.cat([F.conv1d(x[:, a:e].transpose(1, 2), w[:, None], padding=W - 1, groups=c)[..., : e - a]
+                     for a, e in _docs(cu)], -1).transpose(1, 2)
+    err = _rel_max(out, ref)
+    print(f"conv packed rel max err {err:.2e}")
+    assert err < 1e-6
+    # checkpoint layout [c, 1, W] and no packing (batch rows are documents)
+    xb = torch.randn(3, 10, c)
+    ref_b = F.conv1d(xb.transpose(1, 2), w[:, None], padding=W - 1, groups=c)[..., :10].transpose(1, 2)
+    assert _rel_max(causal_depthwise_conv1d(xb, w[:, None]), ref_b) < 1e-6
+
+
+# ============================================================================ core delta rule
+@pytest.mark.parametrize("chunk_size,gate", [(16, "bounded"), (64, "bounded"), (32, "softplus")])
+def test_chunk_kda_vs_fla_naive(chunk_size, gate):
+    naive = _load_fla_naive()
+    H, K, V = 3, 16, 12
+    cu = torch.tensor([0, 5, 70, 71, 140, 161], dtype=torch.int32)  # unaligned, docs shorter than a chunk
+    q, k, v, g, beta = _random_core_inputs(1, 161, H, K, V, gate=gate)
+    scale = K ** -0.5
+    out = chunk_kda_torch(q, k, v, g, beta, scale=scale, cu_seqlens=cu, chunk_size=chunk_size, use_qk_l2norm=True)
+    qn, kn = l2norm(q), l2norm(k)
+    ref = torch.cat([naive.naive_recurrent_kda(qn[:, a:e], kn[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e],
+                                               scale=scale)[0] for a, e in _docs(cu)], 1)
+    err = _rel_max(out, ref)
+    print(f"chunk_kda_torch vs fla naive (C={chunk_size}, {gate}) rel max err {err:.2e}")
+    assert torch.isfinite(out).all()
+    assert err < 1e-5
+    # without l2norm in the call (inputs pre-normalised): same result
+    out2 = chunk_kda_torch(qn, kn, v, g, beta, scale=scale, cu_seqlens=cu, chunk_size=chunk_size)
+    assert _rel_max(out2, ref) < 1e-5
+
+
+def test_chunk_kda_vs_hf_one_document():
+    hf = pytest.importorskip(HF_MOD)
+    q, k, v, g, beta = _random_core_inputs(2, 100, 2, 16, 16, seed=3)
+    out = chunk_kda_torch(q, k, v, g, beta, chunk_size=32, use_qk_l2norm=True)
+    ref_rec, _ = hf.recurrent_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=None,
+                                                   output_final_state=False, use_qk_l2norm_in_kernel=True)
+    ref_chunk, _ = hf.chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    e1, e2 = _rel_max(out, ref_rec), _rel_max(out, ref_chunk)
+    print(f"chunk_kda_torch vs HF recurrent {e1:.2e}, vs HF chunk {e2:.2e}")
+    assert e1 < 1e-5 and e2 < 1e-5
+
+
+def test_chunk_kda_gradients():
+    H, K, V = 2, 8, 8
+    cu = torch.tensor([0, 9, 30, 31, 75], dtype=torch.int32)
+    inputs = _random_core_inputs(1, 75, H, K, V, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(1, 75, H, V, generator=gen)
+
+    def grads(fn, **kw):
+        xs = [t.clone().requires_grad_(True) for t in inputs]
+        (fn(*xs, cu_seqlens=cu, use_qk_l2norm=True, **kw) * w).sum().backward()
+        return [t.grad for t in xs]
+
+    ours = grads(chunk_kda_torch, chunk_size=16)
+    ref = grads(recurrent_kda_reference)
+    errs = [_rel_l2(a, b) for a, b in zip(ours, ref)]
+    print("chunk_kda_torch grad rel L2 (q, k, v, g, beta): " + ", ".join(f"{e:.2e}" for e in errs))
+    assert max(errs) < 1e-4
+
+
+# ============================================================================ module
+def _hf_text_dict(**changes):
+    t = dict(tiny_hf_config()["text_config"])
+    t.update(changes)
+    return t
+
+
+def _build_pair(text, **overrides):
+    """HF Glm5NextTextLinearAttention with random non-trivial weights + our module holding the same weights."""
+    from transformers import Glm5NextTextConfig
+    hf_mod = pytest.importorskip(HF_MOD)
+
+    torch.manual_seed(11)
+    hf = hf_mod.Glm5NextTextLinearAttention(Glm5NextTextConfig(**text), layer_idx=0).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif name.startswith("o_norm"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.startswith("conv1d"):
+                p.copy_(torch.randn_like(p) * 0.4)
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    cfg = Glm5Config.from_hf({"text_config": text}, **overrides)
+    ours = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1)
+    sd = _hf_to_ours_state_dict(hf.state_dict())
+    missing, unexpected = ours.load_state_dict(sd, strict=False)
+    assert not unexpected and all(m.endswith("_extra_state") for m in missing), (missing, unexpected)
+    return hf, ours
+
+
+_HF_NAME = {"forget_gate.f_a_proj.weight": "f_a_proj.weight", "forget_gate.f_b_proj.weight": "f_b_proj.weight",
+            "forget_gate.A_log": "A_log", "forget_gate.dt_bias": "dt_bias"}
+
+
+def _hf_to_ours_state_dict(hf_sd):
+    out = {}
+    for name, t in hf_sd.items():
+        if name == "conv1d.weight":
+            out["q_conv1d"], out["k_conv1d"], out["v_conv1d"] = t.chunk(3, 0)
+        else:
+            out[_HF_NAME.get(name, name)] = t
+    return out
+
+
+def _ours_grads_as_hf(ours):
+    g = {n: p.grad for n, p in ours.named_parameters()}
+    out = {"conv1d.weight": torch.cat([g.pop("q_conv1d"), g.pop("k_conv1d"), g.pop("v_conv1d")], 0)}
+    inv = {v: k for k, v in _HF_NAME.items()}
+    out.update({inv.get(n, n): t for n, t in g.items()})
+    return out
+
+
+def _check_module_against_hf(hf, ours, lengths, label):
+    h = ours.hidden_size
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    s = int(cu[-1])
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(s, 1, h, generator=gen)
+    w = torch.randn(s, 1, h, generator=gen)
+
+    xo = x.clone().requires_grad_(True)
+    out, bias = ours(xo, packed_seq_params=make_packed_seq_params(cu))
+    assert bias is None and out.shape == (s, 1, h)
+    (out * w).sum().backward()
+
+    xh = x.clone().transpose(0, 1).requires_grad_(True)  # [1, s, h]
+    ref = torch.cat([hf(xh[:, a:e]) for a, e in _docs(cu)], 1)  # each document on its own
+    (ref * w.transpose(0, 1)).sum().backward()
+    ref = ref.transpose(0, 1)
+
+    err = _rel_max(out.detach(), ref.detach())
+    gx = _rel_l2(xo.grad, xh.grad.transpose(0, 1))
+    ours_g = _ours_grads_as_hf(ours)
+    hf_g = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(ours_g) == set(hf_g), (set(ours_g) ^ set(hf_g))
+    gp = {n: _rel_l2(ours_g[n], hf_g[n]) for n in hf_g}
+    print(f"[{label}] out rel max err {err:.2e}; input grad rel L2 {gx:.2e}; worst param grad rel L2 "
+          f"{max(gp.values()):.2e} ({max(gp, key=gp.get)})")
+    assert err <= 1e-5
+    assert gx <= 1e-4
+    assert max(gp.values()) <= 1e-4, gp
+
+
+def test_module_matches_hf_packed(mcore):
+    hf, ours = _build_pair(_hf_text_dict())
+    names = sorted(n for n, _ in ours.named_parameters())
+    assert names == sorted(["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d", "k_conv1d", "v_conv1d",
+                            "f_a_proj.weight", "f_b_proj.weight", "A_log", "dt_bias", "b_proj.weight",
+                            "g_a_proj.weight", "g_b_proj.weight", "o_norm.weight", "o_proj.weight"])
+    _check_module_against_hf(hf, ours, [37, 2, 70, 19], "bounded gate, 4x16, W=4, C=64")
+
+
+def test_module_matches_hf_softplus_gate(mcore):
+    hf, ours = _build_pair(_hf_text_dict(linear_lower_bound=None))
+    assert ours.lower_bound is None
+    _check_module_against_hf(hf, ours, [50, 3, 44], "softplus gate")
+
+
+def test_module_matches_hf_other_sizes(mcore):
+    text = _hf_text_dict(linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=3)
+    hf, ours = _build_pair(text, kda_chunk_size=16)
+    assert ours.q_conv1d.shape == (16, 1, 3) and ours.A_log.shape == (2,) and ours.dt_bias.shape == (16,)
+    _check_module_against_hf(hf, ours, [1, 23, 40, 2], "2x8, W=3, C=16")
+
+
+def test_module_batch_rows_are_documents(mcore):
+    hf, ours = _build_pair(_hf_text_dict())
+    x = torch.randn(2, 30, ours.hidden_size)  # HF layout [b, s, h]
+    with torch.no_grad():
+        out, _ = ours(x.transpose(0, 1).contiguous())
+        ref = hf(x)
+    assert _rel_max(out.transpose(0, 1), ref) <= 1e-5
+
+
+def test_module_init_dtype_and_sharded_state_dict(mcore):
+    cfg = Glm5Config.from_hf({"text_config": _hf_text_dict()})
+    m = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1)
+    # HF init of the forget gate: A_log = 0 with the bounded gate, dt_bias = inv-softplus of [1e-3, 1e-1]
+    assert torch.all(m.A_log == 0)
+    dt = F.softplus(m.dt_bias)
+    assert dt.min() >= 1e-3 * 0.999 and dt.max() <= 1e-1 * 1.001
+    assert torch.all(m.o_norm.weight == 1)
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias"):
+        p = getattr(m, name)
+        assert p.keep_fp32 and p.tensor_model_parallel and p.partition_dim == 0
+    m.bfloat16()
+    assert m.q_proj.weight.dtype == torch.bfloat16 and m.o_norm.weight.dtype == torch.bfloat16
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias"):
+        assert getattr(m, name).dtype == torch.float32, name
+    out, _ = m(torch.randn(12, 2, cfg.hidden_size, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+    sd = m.sharded_state_dict(prefix="layers.0.self_attn.")
+    assert set(sd) >= {f"layers.0.self_attn.{n}" for n in ("q_conv1d", "A_log", "dt_bias", "q_proj.weight",
+                                                           "f_a_proj.weight", "o_norm.weight", "o_proj.weight")}
+    assert sd["layers.0.self_attn.q_conv1d"].global_shape == (cfg.kda_dim, 1, cfg.linear_conv_kernel_dim)
+    assert sd["layers.0.self_attn.A_log"].global_shape == (cfg.linear_num_heads,)
+
+
+def test_torch_backend_speed(mcore):
+    """A 4-layer tiny stack (4 KDA mixers) on a 512-token packed row."""
+    cfg = Glm5Config.from_hf({"text_config": _hf_text_dict()})
+    layers = [KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=i + 1) for i in range(4)]
+    cu = torch.tensor([0, 100, 230, 231, 512], dtype=torch.int32)
+    psp = make_packed_seq_params(cu)
+    x = torch.randn(512, 1, cfg.hidden_size)
+    with torch.no_grad():
+        layers[0](x, packed_seq_params=psp)  # warm-up
+        wall, cpu = [], []
+        for _ in range(3):
+            t0, c0, y = time.perf_counter(), time.process_time(), x
+            for layer in layers:
+                y = layer(y, packed_seq_params=psp)[0]
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    print(f"4 KDA layers, 512 tokens, forward: best wall {min(wall) * 1e3:.1f} ms, best CPU {min(cpu) * 1e3:.1f} ms")
+    assert torch.isfinite(y).all()
+    assert min(cpu) < 2.0  # CPU time: robust to other jobs sharing the cores
+
+
+# ============================================================================ tensor parallel (2 gloo ranks)
+def _tp_worker(rank, world, port, sequence_parallel, result_q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        from transformers import Glm5NextTextConfig
+
+        from megatron_glm5.initialize import destroy_megatron, initialize_megatron
+
+        hf_mod = __import__(HF_MOD, fromlist=["Glm5NextTextLinearAttention"])
+        initialize_megatron(tp=world, seed=1234)
+        text = _hf_text_dict()
+        torch.manual_seed(5)  # same on both ranks: identical HF weights
+        hf = hf_mod.Glm5NextTextLinearAttention(Glm5NextTextConfig(**text), layer_idx=0).float()
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.startswith("o_norm") else
+                        torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.4 / p.shape[-1] ** 0.5))
+        cfg = Glm5Config.from_hf({"text_config": text}, tensor_model_parallel_size=world,
+                                 sequence_parallel=sequence_parallel)
+        ours = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1)
+        assert ours.num_heads_local * world == ours.num_heads
+        replicated = ("f_a_proj.weight", "g_a_proj.weight", "o_norm.weight")
+        dims = {"o_proj.weight": 1}
+
+        def shard(name, t):
+            return t if name in replicated else t.chunk(world, dims.get(name, 0))[rank]
+
+        full_sd = _hf_to_ours_state_dict(hf.state_dict())
+        ours.load_state_dict({n: shard(n, t) for n, t in full_sd.items()}, strict=False)
+
+        cu = torch.tensor([0, 30, 32, 64], dtype=torch.int32)
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(64, 1, cfg.hidden_size, generator=gen)
+        w = torch.randn(64, 1, cfg.hidden_size, generator=gen)
+        xs = (x.chunk(world, 0)[rank] if sequence_parallel else x).clone().requires_grad_(True)
+        ws = w.chunk(world, 0)[rank] if sequence_parallel else w
+        out = ours(xs, packed_seq_params=make_packed_seq_params(cu))[0]
+        (out * ws).sum().backward()
+
+        xh = x.transpose(0, 1).clone().requires_grad_(True)
+        ref = torch.cat([hf(xh[:, a:e]) for a, e in _docs(cu)], 1)
+        (ref * w.transpose(0, 1)).sum().backward()
+        ref, ref_gx = ref.detach().transpose(0, 1), xh.grad.transpose(0, 1)
+        if sequence_parallel:
+            ref, ref_gx = ref.chunk(world, 0)[rank], ref_gx.chunk(world, 0)[rank]
+        errs = {"out": _rel_max(out.detach(), ref), "x.grad": _rel_l2(xs.grad, ref_gx)}
+        hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+        hf_grads = _hf_to_ours_state_dict(hf_grads)
+        for name, p in ours.named_parameters():
+            errs[name] = _rel_l2(p.grad, shard(name, hf_grads[name]))
+        result_q.put((rank, errs))
+        destroy_megatron()
+    except Exception:  # pragma: no cover - reported to the parent
+        import traceback
+
+        result_q.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_matches_single_rank(sequence_parallel):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, sequence_parallel, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, res in sorted(results.items()):
+        assert isinstance(res, dict), res
+        worst = max(res, key=res.get)
+        print(f"TP=2 sp={sequence_parallel} rank {rank}: out {res['out']:.2e}, worst grad {worst} {res[worst]:.2e}")
+        assert res["out"] <= 1e-5
+        assert all(v <= 1e-4 for k, v in res.items() if k != "out"), res
+
+
+# ============================================================================ FLA backend (GPU)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_backend_matches_torch(mcore, dtype):
+    pytest.importorskip("triton")
+    cfg = Glm5Config.from_hf({"text_config": _hf_text_dict()}, kda_backend="torch")
+    torch_mod = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).cuda()
+    fla_mod = copy.deepcopy(torch_mod)
+    fla_mod.backend = "fla"
+    with torch.no_grad():  # non-trivial gate parameters
+        for m in (torch_mod, fla_mod):
+            torch.manual_seed(0)
+            m.A_log.normal_(0, 0.5)
+            m.dt_bias.normal_(0, 1.0)
+    torch_mod.to(dtype)
+    fla_mod.to(dtype)
+    cu = torch.tensor([0, 100, 101, 300, 512], dtype=torch.int32, device="cuda")
+    x = torch.randn(512, 1, cfg.hidden_size, device="cuda", dtype=dtype)
+    w = torch.randn_like(x)
+    res = []
+    for m in (torch_mod, fla_mod):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi, packed_seq_params=make_packed_seq_params(cu))[0]
+        (out.float() * w.float()).sum().backward()
+        res.append((out.float(), xi.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}))
+    tol_out, tol_grad = (1e-4, 1e-3) if dtype == torch.float32 else (3e-2, 5e-2)
+    assert _rel_max(res[1][0], res[0][0]) < tol_out
+    assert _rel_l2(res[1][1], res[0][1]) < tol_grad
+    for n in res[0][2]:
+        assert _rel_l2(res[1][2][n], res[0][2][n]) < tol_grad, n

@@ -1,0 +1,375 @@
+"""KPool indexer and KPool DSA attention vs the HF reference (Glm5NextTextIndexer / Glm5NextTextAttention).
+
+Packed rows are compared with HF run on every document separately (HF has no packing).
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import Glm5NextTextConfig
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention, Glm5NextTextIndexer
+
+from megatron_glm5.config import Glm5Config, tiny_hf_config
+from megatron_glm5.models import kpool_dsa
+from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
+from megatron_glm5.models.kpool_indexer import KPoolIndexer
+from megatron_glm5.models.packing import make_packed_seq_params
+from megatron.core.transformer.spec_utils import build_module
+
+# Config variants (HF text-config overrides); tiny_hf_config has 4 attention heads, 8 indexer heads, kpool 4, topk 8.
+MAIN = dict(index_n_heads=16, index_kpool=4, index_topk=8, index_kpool_always_select_tail=True)
+SMALL_K2 = dict(index_n_heads=4, index_kpool=2, index_topk=4, index_kpool_always_select_tail=False,
+                num_attention_heads=2, num_key_value_heads=2)
+SMALL_K8 = dict(index_n_heads=4, index_kpool=8, index_topk=16, index_kpool_always_select_tail=False,
+                num_attention_heads=2, num_key_value_heads=2)
+LENS = [13, 29, 22]
+
+
+def _text_dict(**over):
+    t = dict(tiny_hf_config(with_vision=False)["text_config"])
+    t.update(over)
+    return t
+
+
+def _configs(backend="torch", **over):
+    t = _text_dict(**over)
+    ours = Glm5Config.from_hf(dict(t), dsa_backend=backend)
+    hf = Glm5NextTextConfig(**t)
+    hf._attn_implementation = "eager"
+    return ours, hf
+
+
+def _randomize_indexer(ix: torch.nn.Module, antithetic: bool):
+    """Random indexer weights with wide spread (HF inits ape/gate to 0/1). ``antithetic``: odd heads' query weights
+    are the negated even heads', so never all heads' relu scores vanish (no exact ties with few heads)."""
+    with torch.no_grad():
+        for p in ix.parameters():
+            p.normal_(0.0, 0.5)
+        ix.k_norm.weight.add_(1.0)
+        if antithetic:
+            w = ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)
+            w[1::2] = -w[0::2]
+
+
+def _randomize_attention(m: torch.nn.Module, antithetic: bool):
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.startswith("indexer."):
+                continue
+            if name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    if getattr(m, "indexer", None) is not None:
+        _randomize_indexer(m.indexer, antithetic)
+
+
+def _hf_state(m: torch.nn.Module):
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def _doc_bounds(lens):
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    return cu, [(int(cu[i]), int(cu[i + 1])) for i in range(len(lens))]
+
+
+def _sets(row):
+    return {int(i) for i in row if i >= 0}
+
+
+# ---------------------------------------------------------------------------- indexer
+@pytest.mark.parametrize("over,antithetic", [
+    (MAIN, False), (SMALL_K2, True), (SMALL_K8, True), ({**SMALL_K8, "index_kpool_always_select_tail": True}, True),
+])
+def test_indexer_matches_hf_per_document(mcore, monkeypatch, over, antithetic):
+    torch.manual_seed(0)
+    cfg, hf_cfg = _configs(**over)
+    ours = KPoolIndexer(cfg)
+    _randomize_indexer(ours, antithetic)
+    hf = Glm5NextTextIndexer(hf_cfg, layer_idx=1)
+    hf.load_state_dict(_hf_state(ours))
+
+    cu, bounds = _doc_bounds(LENS)
+    s = int(cu[-1])
+    x = torch.randn(1, s, cfg.hidden_size)
+    qr = torch.randn(1, s, cfg.q_lora_rank)
+    got = ours(x.transpose(0, 1), qr.transpose(0, 1), packed_seq_params=make_packed_seq_params(cu))
+    assert got.dtype == torch.int32 and got.shape == (1, s, ours.output_width)
+
+    dropped = 0
+    for st, en in bounds:
+        ref = hf(x[:, st:en], qr[:, st:en], torch.ones(1, en - st, dtype=torch.bool), None)
+        for i in range(en - st):
+            want = {st + j for j in _sets(ref[0, i])}
+            have = _sets(got[0, st + i])
+            assert have == want, f"query {st + i} (doc start {st}): {sorted(have)} != {sorted(want)}"
+            assert all(st <= j <= st + i for j in have)
+            dropped += len(have) < i + 1
+    assert dropped > 0, "the indexer never dropped a position; make index_topk smaller"
+
+    # Query chunks of 16 (candidate pool ranges per chunk) select the same sets.
+    monkeypatch.setattr(KPoolIndexer, "score_chunk_elements", 1)
+    chunked = ours(x.transpose(0, 1), qr.transpose(0, 1), packed_seq_params=make_packed_seq_params(cu))
+    assert all(_sets(chunked[0, i]) == _sets(got[0, i]) for i in range(s))
+
+    # Unpacked batch of 2 rows == HF batch.
+    xb, qb = torch.randn(2, 21, cfg.hidden_size), torch.randn(2, 21, cfg.q_lora_rank)
+    got = ours(xb.transpose(0, 1), qb.transpose(0, 1))
+    ref = hf(xb, qb, torch.ones(2, 21, dtype=torch.bool), None)
+    for bi in range(2):
+        for i in range(21):
+            assert _sets(got[bi, i]) == _sets(ref[bi, i])
+
+
+# ---------------------------------------------------------------------------- attention
+def _build(cfg, layer_number):
+    return build_module(get_dsa_module_spec(), config=cfg, layer_number=layer_number)
+
+
+def _run_hf_per_doc(hf, x, bounds, prev=None):
+    outs, topks = [], []
+    for di, (st, en) in enumerate(bounds):
+        o, _, t = hf(x[:, st:en], attention_mask=torch.ones(1, en - st, dtype=torch.bool),
+                     prev_topk_indices=None if prev is None else prev[di])
+        outs.append(o)
+        topks.append(t)
+    return torch.cat(outs, dim=1), topks
+
+
+def _valid_rows(topk):
+    """[s] rows whose selection is non-empty (HF's output is undefined on empty rows)."""
+    return (topk[0] >= 0).any(-1)
+
+
+def _grads_check(ours, hf, x_ours, x_hf, tol=1e-4):
+    worst = 0.0
+    gx = (x_ours.grad - x_hf.grad).norm() / x_hf.grad.norm()
+    assert gx <= tol, ("input", gx.item())
+    worst = max(worst, gx.item())
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        q = hf_params[name]
+        if name.startswith("indexer."):
+            assert p.grad is None and q.grad is None, name
+            continue
+        r = (p.grad - q.grad).norm() / q.grad.norm()
+        assert r <= tol, (name, r.item())
+        worst = max(worst, r.item())
+    return worst
+
+
+@pytest.mark.parametrize("backend", ["torch", "sparse"])
+@pytest.mark.parametrize("over,antithetic,lens", [
+    ({}, True, LENS),
+    (SMALL_K2, True, [7, 17, 12, 5]),
+    (SMALL_K8, True, [19, 33, 9]),
+])
+def test_attention_matches_hf_per_document(mcore, backend, over, antithetic, lens):
+    torch.manual_seed(1)
+    cfg, hf_cfg = _configs(backend=backend, **over)
+    ours = _build(cfg, layer_number=2)
+    ours.sparse_query_chunk = 16  # several query chunks
+    _randomize_attention(ours, antithetic)
+    hf = Glm5NextTextAttention(hf_cfg, layer_idx=1)
+    hf.load_state_dict(_hf_state(ours))
+
+    cu, bounds = _doc_bounds(lens)
+    s = int(cu[-1])
+    x = torch.randn(1, s, cfg.hidden_size)
+    x_ours, x_hf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out, topk = ours(x_ours.transpose(0, 1), packed_seq_params=make_packed_seq_params(cu))
+    out = out.transpose(0, 1)
+    ref, _ = _run_hf_per_doc(hf, x_hf, bounds)
+
+    rows = _valid_rows(topk)
+    if cfg.index_kpool_always_select_tail:
+        assert bool(rows.all())
+    else:
+        assert not bool(rows.all()) and bool((out[0, ~rows] == 0).all())
+    err = (out - ref)[:, rows].abs().max().item() / ref[:, rows].abs().max().item()
+    assert err <= 1e-5, err
+
+    g = torch.randn_like(ref) * rows[None, :, None]
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    worst = _grads_check(ours, hf, x_ours, x_hf)
+    print(f"[{backend} {over or 'tiny'}] fwd rel err {err:.2e}, worst grad rel L2 {worst:.2e}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "sparse"])
+def test_attention_unpacked_batch_matches_hf_sdpa(mcore, backend):
+    torch.manual_seed(2)
+    cfg, hf_cfg = _configs(backend=backend)
+    hf_cfg._attn_implementation = "sdpa"
+    ours = _build(cfg, layer_number=2)
+    _randomize_attention(ours, antithetic=True)
+    hf = Glm5NextTextAttention(hf_cfg, layer_idx=1)
+    hf.load_state_dict(_hf_state(ours))
+    x = torch.randn(2, 23, cfg.hidden_size)
+    out, _ = ours(x.transpose(0, 1))
+    ref, _, _ = hf(x, attention_mask=torch.ones(2, 23, dtype=torch.bool))
+    err = (out.transpose(0, 1) - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize("backend", ["torch", "sparse"])
+def test_shared_layer_matches_hf_prev_topk(mcore, backend):
+    torch.manual_seed(3)
+    over = dict(layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+                indexer_types=["full", "full", "shared", "full"])
+    cfg, hf_cfg = _configs(backend=backend, **over)
+    full, shared = _build(cfg, layer_number=2), _build(cfg, layer_number=3)
+    assert full.indexer is not None and shared.indexer is None
+    assert not any(n.startswith("indexer.") for n, _ in shared.named_parameters())
+    _randomize_attention(full, antithetic=True)
+    _randomize_attention(shared, antithetic=True)
+    hf_full, hf_shared = Glm5NextTextAttention(hf_cfg, 1), Glm5NextTextAttention(hf_cfg, 2)
+    assert hf_full.next_skip_topk and hf_shared.indexer is None
+    hf_full.load_state_dict(_hf_state(full))
+    hf_shared.load_state_dict(_hf_state(shared))
+
+    cu, bounds = _doc_bounds(LENS)
+    psp = make_packed_seq_params(cu)
+    x1, x2 = torch.randn(1, int(cu[-1]), cfg.hidden_size), torch.randn(1, int(cu[-1]), cfg.hidden_size)
+    with torch.no_grad():
+        _, topk = full(x1.transpose(0, 1), packed_seq_params=psp)
+        _, hf_topks = _run_hf_per_doc(hf_full, x1, bounds)
+    with pytest.raises(ValueError):
+        shared(x2.transpose(0, 1), packed_seq_params=psp)
+
+    x_ours, x_hf = x2.clone().requires_grad_(True), x2.clone().requires_grad_(True)
+    out, topk_out = shared(x_ours.transpose(0, 1), packed_seq_params=psp, shared_topk_indices=topk)
+    assert topk_out is topk
+    out = out.transpose(0, 1)
+    ref, _ = _run_hf_per_doc(hf_shared, x_hf, bounds, prev=hf_topks)
+    err = (out - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= 1e-5, err
+    g = torch.randn_like(ref)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    worst = _grads_check(shared, hf_shared, x_ours, x_hf)
+    print(f"[shared {backend}] fwd rel err {err:.2e}, worst grad rel L2 {worst:.2e}")
+
+
+def test_parameters_and_sharded_state_dict(mcore):
+    cfg, _ = _configs()
+    m = _build(cfg, layer_number=2)
+    H, dq, dv, r, h = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.hidden_size
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert shapes == {
+        "q_a_proj.weight": (cfg.q_lora_rank, h), "q_a_layernorm.weight": (cfg.q_lora_rank,),
+        "q_b_proj.weight": (H * dq, cfg.q_lora_rank), "kv_a_proj_with_mqa.weight": (r, h),
+        "kv_a_layernorm.weight": (r,), "kv_b_proj.weight": (H * (dq + dv), r), "o_proj.weight": (h, H * dv),
+        "indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+        "indexer.wk.weight": (cfg.index_head_dim, h), "indexer.k_norm.weight": (cfg.index_head_dim,),
+        "indexer.k_norm.bias": (cfg.index_head_dim,), "indexer.weights_proj.weight": (cfg.index_n_heads, h),
+        "indexer.index_kpool_compress_ape": (cfg.index_kpool, cfg.index_head_dim),
+        "indexer.index_kpool_compress_gate": (cfg.index_head_dim, h),
+    }
+    assert m.indexer.index_kpool_compress_ape.keep_fp32
+    for n, p in m.named_parameters():
+        assert p.tensor_model_parallel == (n in ("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")), n
+    sd = m.sharded_state_dict(prefix="layers.1.self_attention.")
+    params = dict(m.named_parameters())
+    assert {k for k in sd if not k.endswith("_extra_state")} == {f"layers.1.self_attention.{n}" for n in params}
+    for n, p in params.items():
+        t = sd[f"layers.1.self_attention.{n}"]
+        assert t.key == f"layers.1.self_attention.{n}" and t.global_shape == tuple(p.shape), n
+
+
+# ---------------------------------------------------------------------------- linearity
+class _MaxNumel(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_sparse_backend_is_linear_in_sequence_length(mcore, monkeypatch):
+    """s = 8192: no [s, s] tensor is ever built by the 'sparse' backend (forward + backward, indexer included)."""
+    torch.manual_seed(4)
+    cfg, _ = _configs(backend="sparse")
+    m = _build(cfg, layer_number=2)
+    monkeypatch.setattr(KPoolIndexer, "score_chunk_elements", 1 << 20)
+
+    def _no_dense(*a, **k):
+        raise AssertionError("the sparse backend must not build a dense mask")
+
+    monkeypatch.setattr(kpool_dsa, "topk_indices_to_mask", _no_dense)
+    monkeypatch.setattr(kpool_dsa, "dense_topk_attention", _no_dense)
+    s = 8192
+    cu = torch.tensor([0, 3000, 5000, s], dtype=torch.int32)
+    x = torch.randn(s, 1, cfg.hidden_size, requires_grad=True)
+    with _MaxNumel() as mode:
+        out, topk = m(x, packed_seq_params=make_packed_seq_params(cu))
+        out.square().sum().backward()
+    assert out.shape == (s, 1, cfg.hidden_size) and torch.isfinite(x.grad).all()
+    assert mode.max_numel < s * s // 16, mode.max_numel
+    print(f"[linearity] s={s}: largest tensor {mode.max_numel} elements (s^2 = {s * s})")
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+_TP_SHARD_AXIS = {"q_b_proj.weight": 0, "kv_b_proj.weight": 0, "o_proj.weight": 1}
+
+
+def _tp_worker(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from megatron_glm5.initialize import destroy_megatron, initialize_megatron
+
+    initialize_megatron(tp=world)
+    try:
+        for backend in ("torch", "sparse"):
+            torch.manual_seed(6)  # same HF weights and inputs on every rank
+            cfg, hf_cfg = _configs(backend=backend)
+            hf = Glm5NextTextAttention(hf_cfg, layer_idx=1)
+            _randomize_attention(hf, antithetic=True)
+            ours = _build(cfg, layer_number=2)
+            assert ours.num_heads_local == cfg.num_attention_heads // world
+            with torch.no_grad():
+                for n, p in ours.named_parameters():
+                    full = dict(hf.named_parameters())[n]
+                    if n in _TP_SHARD_AXIS:
+                        full = full.chunk(world, dim=_TP_SHARD_AXIS[n])[rank]
+                    p.copy_(full)
+            cu, bounds = _doc_bounds(LENS)
+            x = torch.randn(1, int(cu[-1]), cfg.hidden_size)
+            x_ours, x_hf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            out, _ = ours(x_ours.transpose(0, 1), packed_seq_params=make_packed_seq_params(cu))
+            out = out.transpose(0, 1)
+            ref, _ = _run_hf_per_doc(hf, x_hf, bounds)
+            err = (out - ref).abs().max().item() / ref.abs().max().item()
+            assert err <= 1e-5, (backend, err)
+            g = torch.randn_like(ref)
+            (out * g).sum().backward()
+            (ref * g).sum().backward()
+            gx = ((x_ours.grad - x_hf.grad).norm() / x_hf.grad.norm()).item()
+            assert gx <= 1e-4, (backend, "input", gx)
+            for n, p in ours.named_parameters():
+                if n.startswith("indexer."):
+                    continue
+                want = dict(hf.named_parameters())[n].grad
+                if n in _TP_SHARD_AXIS:
+                    want = want.chunk(world, dim=_TP_SHARD_AXIS[n])[rank]
+                r = ((p.grad - want).norm() / want.norm()).item()
+                assert r <= 1e-4, (backend, n, r)
+    finally:
+        destroy_megatron()
+
+
+def test_tensor_parallel_2_matches_hf():
+    """TP = 2 (2 gloo processes): heads sharded, both backends, forward and gradients vs HF per document."""
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    mp.start_processes(_tp_worker, args=(2, port), nprocs=2, join=True, start_method="spawn")

@@ -1,0 +1,201 @@
+"""mHC (megatron_glm5.models.mhc) against HF's Glm5NextTextHyperConnection and decoder-layer formulas (fp32, CPU)."""
+
+import pytest
+import torch
+import transformers
+from transformers.models.glm5_next import modeling_glm5_next as hf_mod
+
+from megatron_glm5.config import Glm5Config, tiny_hf_config
+from megatron_glm5.models.mhc import (
+    HyperConnection,
+    apply_hyper_connection_output,
+    contract_streams,
+    expand_streams,
+    sinkhorn_normalize,
+    streams_view,
+)
+
+
+def _configs(n, iters):
+    d = tiny_hf_config(hc_mult=n)
+    d["text_config"]["hc_sinkhorn_iters"] = iters
+    ours = Glm5Config.from_hf(d)
+    hf = transformers.Glm5NextTextConfig(**d["text_config"])
+    return ours, hf
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _close(a, b, tol):
+    """rel L2 <= tol, treating two all-zero tensors as equal."""
+    return float((a - b).norm()) <= tol * float(b.norm()) + 1e-12
+
+
+def _pair(n, iters, seed=0):
+    ours_cfg, hf_cfg = _configs(n, iters)
+    torch.manual_seed(seed)
+    hf = hf_mod.Glm5NextTextHyperConnection(hf_cfg)
+    with torch.no_grad():
+        hf.fn.normal_(0.0, 0.15)
+        hf.base.normal_(0.0, 1.0)
+        hf.scale.uniform_(0.5, 2.0)
+    ours = HyperConnection(ours_cfg, layer_number=1)
+    ours.load_state_dict(hf.state_dict())
+    return ours, hf, ours_cfg
+
+
+@pytest.mark.parametrize("n,iters", [(1, 1), (1, 20), (2, 1), (2, 20), (3, 5), (4, 1), (4, 20)])
+def test_hyper_connection_matches_hf(n, iters):
+    ours, hf, cfg = _pair(n, iters, seed=n * 100 + iters)
+    b, s, h = 2, 7, cfg.hidden_size
+    x_hf = (torch.randn(b, s, n, h) * 1.7 + 0.3).requires_grad_(True)
+    x_ours = x_hf.detach().transpose(0, 1).contiguous().requires_grad_(True)  # [s, b, n, h]
+
+    post_h, comb_h, col_h = hf(x_hf)
+    post_o, comb_o, col_o = ours(x_ours)
+    assert post_o.dtype == comb_o.dtype == torch.float32 and col_o.dtype == x_ours.dtype
+    assert post_o.shape == (s, b, n) and comb_o.shape == (s, b, n, n) and col_o.shape == (s, b, h)
+    diffs = {}
+    for name, o, r in (("post", post_o, post_h), ("comb", comb_o, comb_h), ("collapsed", col_o, col_h)):
+        r = r.transpose(0, 1)
+        diffs[name] = float(((o - r).abs().max() / r.abs().max()).detach())
+        assert diffs[name] <= 1e-6, (name, diffs[name])
+
+    gp, gc, gx = torch.randn_like(post_o), torch.randn_like(comb_o), torch.randn_like(col_o)
+    loss_o = (post_o * gp).sum() + (comb_o * gc).sum() + (col_o * gx).sum()
+    loss_h = (post_h * gp.transpose(0, 1)).sum() + (comb_h * gc.transpose(0, 1)).sum() + (col_h * gx.transpose(0, 1)).sum()
+    loss_o.backward()
+    loss_h.backward()
+    grads = {"streams": (x_ours.grad, x_hf.grad.transpose(0, 1))}
+    for p in ("fn", "base", "scale"):
+        grads[p] = (getattr(ours, p).grad, getattr(hf, p).grad)
+    for name, (go, gh) in grads.items():
+        assert _close(go, gh, 1e-5), (name, _rel(go, gh))
+    print(f"n={n} iters={iters} fwd max-rel {diffs} grad rel-L2 "
+          + " ".join(f"{k}={_rel(*v):.2e}" for k, v in grads.items()))
+
+
+def test_parameters_and_attributes():
+    ours, _, cfg = _pair(3, 5)
+    n, h = cfg.hc_mult, cfg.hidden_size
+    shapes = {k: tuple(v.shape) for k, v in ours.named_parameters()}
+    assert shapes == {"fn": ((2 + n) * n, n * h), "base": ((2 + n) * n,), "scale": (3,)}
+    assert ours.base.dtype == ours.scale.dtype == torch.float32
+    assert getattr(ours.base, "keep_fp32", False) and getattr(ours.scale, "keep_fp32", False)
+    assert not getattr(ours.fn, "keep_fp32", False)
+    for p in ours.parameters():
+        assert hasattr(p, "sequence_parallel")
+    fresh = HyperConnection(cfg)
+    assert torch.equal(fresh.base, torch.zeros_like(fresh.base)) and torch.equal(fresh.scale, torch.ones(3))
+
+
+def test_bf16_streams_keep_fp32_weights():
+    ours, _, cfg = _pair(4, 20)
+    ours.fn.data = ours.fn.data.to(torch.bfloat16)  # what a bf16 cast that honours keep_fp32 leaves behind
+    x = torch.randn(5, 2, 4, cfg.hidden_size).to(torch.bfloat16)
+    post, comb, col = ours(x)
+    assert post.dtype == comb.dtype == torch.float32 and col.dtype == torch.bfloat16
+    assert torch.allclose(comb.sum(-2), torch.ones(()), atol=1e-4)
+
+
+@pytest.mark.parametrize("iters", [1, 7])
+def test_sinkhorn_recompute_is_bitwise_equal(iters):
+    torch.manual_seed(iters)
+    c0 = (torch.softmax(torch.randn(6, 3, 4, 4) * 3, -1) + 1e-6).requires_grad_(True)
+    c1 = c0.detach().clone().requires_grad_(True)
+    y0 = sinkhorn_normalize(c0, iters, 1e-6, recompute=False)
+    y1 = sinkhorn_normalize(c1, iters, 1e-6, recompute=True)
+    assert torch.equal(y0, y1)
+    g = torch.randn_like(y0)
+    (y0 * g).sum().backward()
+    (y1 * g).sum().backward()
+    assert torch.equal(c0.grad, c1.grad)
+
+
+def test_recompute_flag_end_to_end_equal():
+    ours, _, cfg = _pair(4, 20)
+    other = HyperConnection(cfg, recompute_sinkhorn=False)
+    other.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 2, 4, cfg.hidden_size)
+    outs = []
+    for m in (ours, other):
+        xx = x.clone().requires_grad_(True)
+        post, comb, col = m(xx)
+        (post.sum() + (comb * torch.arange(16.0).view(4, 4)).sum() + col.square().sum()).backward()
+        outs.append((post, comb, col, xx.grad, m.fn.grad, m.base.grad, m.scale.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_apply_output_matches_hf_formula(n):
+    torch.manual_seed(n)
+    s, b, h = 5, 3, 16
+    block_out = torch.randn(s, b, h)
+    residual = torch.randn(s, b, n, h)
+    post = torch.rand(s, b, n) * 2
+    comb = torch.softmax(torch.randn(s, b, n, n), -1)
+    ours = apply_hyper_connection_output(block_out, residual, post, comb)
+    # HF layout [b, s, ...]
+    ref = post.transpose(0, 1).unsqueeze(-1) * block_out.transpose(0, 1).unsqueeze(-2) + torch.matmul(
+        comb.transpose(0, 1).transpose(-1, -2), residual.transpose(0, 1))
+    assert ours.shape == (s, b, n, h)
+    d = float((ours - ref.transpose(0, 1)).abs().max())
+    assert d <= 1e-6, d
+    # explicit definition: new[j] = post[j] * out + sum_i comb[i, j] * res[i]
+    explicit = post[..., :, None] * block_out[..., None, :] + torch.einsum("sbij,sbih->sbjh", comb, residual)
+    assert torch.allclose(ours, explicit, atol=1e-5)
+
+
+def test_stream_layout_helpers():
+    s, b, n, h = 3, 2, 4, 8
+    x = torch.randn(s, b, h)
+    flat = expand_streams(x, n)
+    assert flat.shape == (s, b, n * h)
+    hf_streams = x.transpose(0, 1).unsqueeze(2).expand(-1, -1, n, -1)  # HF: [b, s, n, h]
+    assert torch.equal(streams_view(flat, n), hf_streams.transpose(0, 1))
+    y = torch.randn(s, b, n * h)
+    assert torch.allclose(contract_streams(y, n), y.view(s, b, n, h).mean(2))
+    assert torch.allclose(contract_streams(expand_streams(x, n), n), x)
+    with pytest.raises(ValueError):
+        streams_view(torch.randn(2, 2, 10), 4)
+
+
+def test_full_layer_formula_with_two_sites():
+    """Two mHC sites (attention + MLP) around identity-ish blocks equal HF's decoder-layer wiring."""
+    ours_a, hf_a, cfg = _pair(3, 5, seed=1)
+    ours_f, hf_f, _ = _pair(3, 5, seed=2)
+    n, h = 3, cfg.hidden_size
+    blk = torch.nn.Linear(h, h)
+    x = torch.randn(2, 6, n, h)  # HF [b, s, n, h]
+
+    def hf_layer(hs):
+        dtype = hs.dtype
+        for site in (hf_a, hf_f):
+            res = hs
+            post, comb, y = site(hs)
+            y = blk(y)
+            hs = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), res)
+        return hs
+
+    def our_layer(flat):
+        for site in (ours_a, ours_f):
+            st = streams_view(flat, n)
+            post, comb, y = site(st)
+            flat = apply_hyper_connection_output(blk(y), st, post, comb).reshape(flat.shape)
+        return flat
+
+    ref = hf_layer(x).mean(2)
+    out = contract_streams(our_layer(x.transpose(0, 1).reshape(6, 2, n * h)), n)
+    assert float((out - ref.transpose(0, 1)).abs().max() / ref.abs().max()) <= 1e-6
+
+
+def test_sharded_state_dict_replicated(mcore):
+    ours, _, _ = _pair(2, 3)
+    sd = ours.sharded_state_dict(prefix="decoder.layers.0.attn_hc.")
+    assert set(sd) == {f"decoder.layers.0.attn_hc.{k}" for k in ("fn", "base", "scale")}
+    for k, t in sd.items():
+        assert t.global_shape == t.local_shape  # not sharded over TP
+        assert t.key == k
