@@ -491,7 +491,7 @@ class KimiDeltaAttention(MegatronModule):
     def _replicated_linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """f_a / g_a on the (possibly sequence-parallel) input. Under sequence parallelism each rank only sees its
         slice of the sequence, so the replicated weight's gradient is summed over the TP group in backward."""
-        if False:
+        if self.sequence_parallel:
             w = copy_to_tensor_model_parallel_region(module.weight, group=self.tp_group)
             return F.linear(x, w)
         return _first(module(x))
@@ -536,7 +536,7 @@ class KimiDeltaAttention(MegatronModule):
         gate = _first(self.g_b_proj(self._replicated_linear(self.g_a_proj, x)))
         gate = gate.view(s, b, self.num_heads_local, self.head_dim)
         w = self.o_norm.weight
-        if False:  # each rank normalises its own heads: sum the norm weight's gradient over TP
+        if self.tp_size > 1:  # each rank normalises its own heads: sum the norm weight's gradient over TP
             w = copy_to_tensor_model_parallel_region(w, group=self.tp_group)
         o = self.o_norm(o.transpose(0, 1), gate, weight=w).reshape(s, b, self.kda_dim_local)
         out, bias = self.o_proj(o)

@@ -255,7 +255,9 @@ class Glm5DSAttention(MegatronModule):
         self.v_head_dim = config.v_head_dim
         self.softmax_scale = self.qk_head_dim ** -0.5
         self.backend = config.dsa_backend
-        self.is_shared = config.indexer_types[layer_number - 1] == "shared"
+        # layers past the decoder (the MTP layer) always run their own indexer
+        idx = layer_number - 1
+        self.is_shared = idx < len(config.indexer_types) and config.indexer_types[idx] == "shared"
 
         h, H = self.hidden_size, self.num_heads
         eps = config.layernorm_epsilon

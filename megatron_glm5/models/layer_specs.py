@@ -18,6 +18,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
     MultiTokenPredictionBlockSubmodules,
     MultiTokenPredictionLayer,
     MultiTokenPredictionLayerSubmodules,
@@ -99,5 +100,5 @@ def get_mtp_block_spec(config: Glm5Config) -> Optional[ModuleSpec]:
         submodules=MultiTokenPredictionLayerSubmodules(
             enorm=RMSNorm, hnorm=RMSNorm, eh_proj=ColumnParallelLinear, transformer_layer=spec, layer_norm=RMSNorm),
     )
-    return ModuleSpec(module=None, submodules=MultiTokenPredictionBlockSubmodules(
+    return ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(
         layer_specs=[layer] * config.mtp_num_layers))

@@ -168,7 +168,15 @@ class Glm5Model(MegatronModule):
         logits = self.output_logits(hidden)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+        return self._token_loss(logits, labels)
+
+    def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """logits [s, b, vocab(/tp)], labels [b, s] -> per-token loss [b, s] (megatron's vocab-parallel CE)."""
+        logits = logits.float()
+        if not self.parallel_output:
+            # megatron's CE works in place; a gathered output can be a view that autograd must not see modified
+            logits = logits.clone()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
         return loss.transpose(0, 1).contiguous()
 
     def _add_mtp_loss(self, hidden, input_ids, labels, loss_mask, packed_seq_params):
@@ -187,10 +195,7 @@ class Glm5Model(MegatronModule):
                                         packed_seq_params=packed_seq_params)
             loss_mask, num_tokens = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
                                                 packed_seq_params=packed_seq_params)
-            mtp_logits = self.output_logits(chunks[depth + 1])
-            safe_labels = mtp_labels.clamp(min=0)
-            mtp_loss = tensor_parallel.vocab_parallel_cross_entropy(
-                mtp_logits.float(), safe_labels.transpose(0, 1).contiguous()).transpose(0, 1)
+            mtp_loss = self._token_loss(self.output_logits(chunks[depth + 1]), mtp_labels.clamp(min=0))
             mtp_loss = (mtp_loss * loss_mask).sum()
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
             denom = loss_mask.sum().clamp(min=1)
