@@ -38,6 +38,7 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
+from megatron_glm5.models.norms import param_device
 from megatron_glm5.config import Glm5Config
 from megatron_glm5.models.packing import document_starts, row_cu_seqlens
 
@@ -408,7 +409,7 @@ class KimiDeltaAttention(MegatronModule):
         self.chunk_size = config.kda_chunk_size
         self.backend = config.kda_backend
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
-        device = torch.cuda.current_device()
+        device = param_device(config)
 
         def column(spec, in_size, out_size):
             return build_module(spec, in_size, out_size, config=config, init_method=config.init_method,

@@ -48,6 +48,7 @@ from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
 from megatron_glm5.models.kpool_indexer import KPoolIndexer, ReplicatedLinear, _param_device, mark_replicated
+from megatron_glm5.models.norms import RMSNorm
 
 __all__ = [
     "RMSNorm",
@@ -58,28 +59,6 @@ __all__ = [
     "dense_topk_attention",
     "sparse_topk_attention",
 ]
-
-
-class RMSNorm(torch.nn.Module):
-    """``weight * (x / sqrt(mean(x^2) + eps))`` computed in fp32, cast back before the weight (HF
-    ``Glm5NextTextRMSNorm``). Replicated over TP."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, config=None, **_unused):
-        super().__init__()
-        device = _param_device(config) if config is not None else None
-        dtype = config.params_dtype if config is not None else None
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.eps = eps
-        mark_replicated(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 @dataclass
@@ -263,13 +242,13 @@ class Glm5DSAttention(MegatronModule):
         eps = config.layernorm_epsilon
         self.q_a_proj = build_module(submodules.q_a_proj, h, self.q_lora_rank, config=config,
                                      init_method=config.init_method, bias=False)
-        self.q_a_layernorm = build_module(submodules.q_a_layernorm, self.q_lora_rank, eps=eps, config=config)
+        self.q_a_layernorm = build_module(submodules.q_a_layernorm, config=config, hidden_size=self.q_lora_rank, eps=eps)
         self.q_b_proj = build_module(submodules.q_b_proj, self.q_lora_rank, H * self.qk_head_dim, config=config,
                                      init_method=config.init_method, bias=False, gather_output=False,
                                      skip_bias_add=False, tp_group=self.tp_group)
         self.kv_a_proj_with_mqa = build_module(submodules.kv_a_proj_with_mqa, h, self.kv_lora_rank, config=config,
                                                init_method=config.init_method, bias=False)
-        self.kv_a_layernorm = build_module(submodules.kv_a_layernorm, self.kv_lora_rank, eps=eps, config=config)
+        self.kv_a_layernorm = build_module(submodules.kv_a_layernorm, config=config, hidden_size=self.kv_lora_rank, eps=eps)
         self.kv_b_proj = build_module(submodules.kv_b_proj, self.kv_lora_rank,
                                       H * (self.qk_head_dim + self.v_head_dim), config=config,
                                       init_method=config.init_method, bias=False, gather_output=False,

@@ -44,10 +44,7 @@ from megatron_glm5.models.packing import document_ids, document_starts, row_cu_s
 __all__ = ["ReplicatedLinear", "KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]
 
 
-def _param_device(config) -> torch.device:
-    if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+from megatron_glm5.models.norms import param_device as _param_device  # noqa: E402
 
 
 def mark_replicated(module: torch.nn.Module) -> None:

@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+from megatron_glm5.models.sharding import replicated_sharded_state_dict
 
 __all__ = [
     "HyperConnection",
@@ -188,12 +188,7 @@ class HyperConnection(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """All three parameters are replicated over TP (and DP)."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(
-            state, prefix, {}, sharded_offsets,
-            tp_group=getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group(),
-            dp_cp_group=metadata["dp_cp_group"])
+        return replicated_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def extra_repr(self):
         return (f"hc_mult={self.hc_mult}, hidden_size={self.hidden_size}, sinkhorn_iters={self.hc_sinkhorn_iters}, "

@@ -1,4 +1,7 @@
-"""RMSNorm with GLM-5.3's numerics (fp32 statistics, eps inside the sqrt, weight applied in the input dtype)."""
+"""RMSNorm with GLM-5.3's numerics (fp32 statistics, eps inside the sqrt, weight applied in the input dtype).
+
+The one RMSNorm of the package: decoder norms, MLA q/kv latent norms, MTP norms and the vision tower's norms.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +9,31 @@ import torch
 from torch import nn
 
 
-class RMSNorm(nn.Module):
-    """y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32.
+def param_device(config) -> torch.device:
+    """Where megatron-style modules allocate parameters: CPU with ``use_cpu_initialization`` or without CUDA."""
+    if config is None or getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
-    Works on any layout (normalises the last dim): [s, b, h] activations, [.., heads, d] per-head norms.
-    ``sequence_parallel`` marks the weight so megatron-core all-reduces its grad over TP when SP is on.
-    Signature matches megatron-core norm builders: ``RMSNorm(config, hidden_size, eps)``.
+
+class RMSNorm(nn.Module):
+    """y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32 (HF ``Glm5NextTextRMSNorm``).
+
+    Normalises the last dim of any layout ([s, b, h] activations, [..., heads, d] per-head norms). Replicated over
+    TP; with sequence parallelism the weight is tagged ``sequence_parallel`` so megatron-core all-reduces its grad.
+    Built like megatron-core norms: ``RMSNorm(config=..., hidden_size=..., eps=...)``; positional
+    ``RMSNorm(hidden_size, eps)`` also works.
     """
 
-    def __init__(self, config=None, hidden_size: int = None, eps: float = 1e-5):
+    def __init__(self, config=None, hidden_size: int = None, eps: float = 1e-5, **_unused):
+        if isinstance(config, int):  # RMSNorm(hidden_size, eps[, config=...]) form
+            config, hidden_size, eps = _unused.pop("config", None), config, hidden_size if hidden_size is not None else eps
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        dtype = getattr(config, "params_dtype", None) if config is not None else None
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=param_device(config), dtype=dtype))
         self.eps = eps
-        if config is not None:
-            setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
+        self.weight.tensor_model_parallel = False
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -27,5 +41,5 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from megatron_glm5.config import Glm5VisionConfig
+from megatron_glm5.models.norms import RMSNorm
+from megatron_glm5.models.sharding import replicated_sharded_state_dict
 
 __all__ = [
     "Glm5VisionModel",
@@ -68,20 +68,6 @@ def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- blocks
-class _RMSNorm(nn.Module):
-    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
@@ -110,8 +96,8 @@ class _VisionAttention(nn.Module):
         self.head_dim = vc.hidden_size // vc.num_heads
         self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size, bias=vc.attention_bias)
         self.proj = nn.Linear(vc.hidden_size, vc.hidden_size, bias=vc.attention_bias)
-        self.q_norm = _RMSNorm(self.head_dim, vc.rms_norm_eps)
-        self.k_norm = _RMSNorm(self.head_dim, vc.rms_norm_eps)
+        self.q_norm = RMSNorm(hidden_size=self.head_dim, eps=vc.rms_norm_eps)
+        self.k_norm = RMSNorm(hidden_size=self.head_dim, eps=vc.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments) -> torch.Tensor:
         n = x.shape[0]
@@ -154,8 +140,8 @@ def _segment_attention(q, k, v, segments, scale):
 class _VisionBlock(nn.Module):
     def __init__(self, vc: Glm5VisionConfig):
         super().__init__()
-        self.norm1 = _RMSNorm(vc.hidden_size, vc.rms_norm_eps)
-        self.norm2 = _RMSNorm(vc.hidden_size, vc.rms_norm_eps)
+        self.norm1 = RMSNorm(hidden_size=vc.hidden_size, eps=vc.rms_norm_eps)
+        self.norm2 = RMSNorm(hidden_size=vc.hidden_size, eps=vc.rms_norm_eps)
         self.attn = _VisionAttention(vc)
         self.mlp = _VisionMLP(vc.hidden_size, vc.intermediate_size, vc.attention_bias, vc.swiglu_limit)
 
@@ -214,7 +200,7 @@ class Glm5VisionModel(MegatronModule):
 
         self.patch_embed = _PatchEmbed(vc)
         self.blocks = nn.ModuleList([_VisionBlock(vc) for _ in range(vc.depth)])
-        self.post_layernorm = _RMSNorm(vc.hidden_size, vc.rms_norm_eps)
+        self.post_layernorm = RMSNorm(hidden_size=vc.hidden_size, eps=vc.rms_norm_eps)
         m = vc.spatial_merge_size
         self.downsample = nn.Conv2d(vc.hidden_size, vc.out_hidden_size, kernel_size=m, stride=m)
         self.merger = _PatchMerger(vc.out_hidden_size, vc.projection_intermediate_size, vc.swiglu_limit)
@@ -256,12 +242,7 @@ class Glm5VisionModel(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Every tensor of the tower is replicated over TP (and DP)."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(
-            state, prefix, {}, sharded_offsets,
-            tp_group=getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group(),
-            dp_cp_group=metadata["dp_cp_group"])
+        return replicated_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 # ----------------------------------------------------------------------------------------------- splice
