@@ -19,6 +19,7 @@ and is never called by the GPU training path.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
@@ -112,6 +113,9 @@ def enable_cpu_compat() -> None:
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    # with the redirect the "CUDA" generator *is* the CPU generator, so megatron's RNG tracker always sees the CPU
+    # state change inside a fork and logs a warning that means nothing here
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     _ENABLED = True

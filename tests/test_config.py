@@ -1,0 +1,113 @@
+"""Glm5Config from HF config.json: every math-changing field read, presets, and one clear error per bad field."""
+
+import copy
+import json
+
+import pytest
+
+from megatron_glm5.config import (
+    INDEXED_ATTENTION,
+    LINEAR_ATTENTION,
+    Glm5Config,
+    Glm5ConfigError,
+    glm5_flash_config,
+    glm5_flash_hf_config,
+    tiny_hf_config,
+)
+
+
+def test_released_preset():
+    c = glm5_flash_config()
+    assert c.num_layers == 45 and c.hidden_size == 4096 and c.vocab_size == 154880
+    dsa = [i for i, t in enumerate(c.layer_types) if t == INDEXED_ATTENTION]
+    assert dsa == list(range(3, 45, 4)) and len(dsa) == 11
+    assert c.mlp_layer_types[:3] == ["dense"] * 3 and set(c.mlp_layer_types[3:]) == {"sparse"}
+    assert c.index_kpool == 4 and c.index_topk == 2048 and c.index_kpool_always_select_tail
+    assert c.num_moe_experts == 288 and c.moe_router_topk == 8 and c.moe_shared_expert_intermediate_size == 2048
+    assert c.moe_router_topk_scaling_factor == 2.5 and c.moe_router_score_function == "sigmoid"
+    assert c.moe_router_enable_expert_bias and c.activation_func_clamp_value == 10.0
+    assert c.hc_mult == 4 and c.hc_sinkhorn_iters == 20 and c.hc_eps == 1e-6
+    assert c.linear_num_heads == 64 and c.linear_head_dim == 128 and c.linear_lower_bound == -5.0
+    assert c.q_lora_rank == 1536 and c.kv_lora_rank == 512 and c.qk_head_dim == 256 and c.v_head_dim == 256
+    assert c.mtp_num_layers == 1 and c.vision.depth == 24 and not c.tie_word_embeddings
+
+
+def test_reads_transformers_saved_config(tmp_path):
+    from transformers import Glm5NextConfig
+
+    hf = tiny_hf_config()
+    Glm5NextConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")}).save_pretrained(tmp_path)
+    c = Glm5Config.from_hf(str(tmp_path))
+    t = hf["text_config"]
+    assert c.num_layers == t["num_hidden_layers"] and c.layer_types == t["layer_types"]
+    assert c.index_kpool == t["index_kpool"] and c.index_topk == t["index_topk"]
+    assert c.hc_mult == t["hc_mult"] and c.linear_num_heads == t["linear_num_heads"]
+    assert c.vision.hidden_size == hf["vision_config"]["hidden_size"]
+    assert c.image_token_id == hf["image_token_id"]
+
+
+def test_flat_text_only_config_and_hf_conventions():
+    t = copy.deepcopy(tiny_hf_config(with_vision=False)["text_config"])
+    for k in ("layer_types", "mlp_layer_types"):
+        t.pop(k)
+    t["num_hidden_layers"] = 8
+    t["index_topk_pattern"] = "FFFFFFFS"
+    t["linear_attn_config"] = {"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 3, "gate_lower_bound": None,
+                               "safe_gate": True}
+    c = Glm5Config.from_hf(t)
+    assert c.vision is None
+    assert c.layer_types == [LINEAR_ATTENTION if i % 4 != 3 else INDEXED_ATTENTION for i in range(8)]
+    assert c.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 5
+    assert c.indexer_types[7] == "shared" and c.indexer_types.count("shared") == 1
+    assert (c.linear_head_dim, c.linear_num_heads, c.linear_conv_kernel_dim) == (8, 2, 3)
+    assert c.linear_lower_bound == -5.0  # safe_gate with a null bound -> -5, as transformers does
+
+
+def test_hf_round_trip():
+    from transformers import Glm5NextConfig
+
+    c = Glm5Config.from_hf(tiny_hf_config(mtp=True))
+    d = c.to_hf_dict()
+    c2 = Glm5Config.from_hf(json.loads(json.dumps(d)))
+    for f in ("num_layers", "layer_types", "mlp_layer_types", "indexer_types", "index_kpool", "hc_mult",
+              "linear_lower_bound", "moe_router_topk_scaling_factor", "mtp_num_layers", "vision"):
+        assert getattr(c, f) == getattr(c2, f), f
+    Glm5NextConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+
+
+def _bad(mutate):
+    hf = tiny_hf_config()
+    mutate(hf)
+    with pytest.raises(Glm5ConfigError) as e:
+        Glm5Config.from_hf(hf)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("field,mutate", [
+    ("index_topk", lambda h: h["text_config"].update(index_topk=6)),
+    ("layer_types", lambda h: h["text_config"].update(layer_types=["linear_attention"] * 3)),
+    ("layer_types", lambda h: h["text_config"].update(layer_types=["linear_attention", "mamba"] * 2)),
+    ("mlp_layer_types", lambda h: h["text_config"].update(mlp_layer_types=["dense", "moe", "sparse", "sparse"])),
+    ("indexer_types", lambda h: h["text_config"].update(indexer_types=["full", "shared", "full", "full"])),
+    ("qk_rope_head_dim", lambda h: h["text_config"].update(qk_rope_head_dim=8)),
+    ("num_key_value_heads", lambda h: h["text_config"].update(num_key_value_heads=2)),
+    ("norm_topk_prob", lambda h: h["text_config"].update(norm_topk_prob=False)),
+    ("index_kpool", lambda h: h["text_config"].update(index_kpool=0)),
+    ("vision_config.out_hidden_size", lambda h: h["vision_config"].update(out_hidden_size=32)),
+    ("vision_config.num_heads", lambda h: h["vision_config"].update(num_heads=3)),
+    ("hidden_act", lambda h: h["text_config"].update(hidden_act="gelu")),
+])
+def test_bad_fields_raise_one_clear_error(field, mutate):
+    msg = _bad(mutate)
+    assert msg.startswith(field + ":"), msg
+    assert "\n" not in msg
+
+
+def test_sizes_come_from_the_config():
+    """Other head/stream/expert counts build a valid config (nothing assumes the released sizes)."""
+    hf = tiny_hf_config(num_layers=6, hc_mult=2)
+    hf["text_config"].update(num_attention_heads=2, num_key_value_heads=2, linear_num_heads=3, index_n_heads=4,
+                             n_routed_experts=6, num_experts_per_tok=3, index_kpool=2, index_topk=6)
+    c = Glm5Config.from_hf(hf)
+    assert (c.num_attention_heads, c.linear_num_heads, c.index_n_heads, c.hc_mult) == (2, 3, 4, 2)
+    assert (c.num_moe_experts, c.moe_router_topk, c.index_kpool) == (6, 3, 2)
