@@ -30,10 +30,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FP32_KEYS = re.compile(r"(hc_(attn|ffn)_(base|scale)|self_attn\.(A_log|dt_bias|[qkv]_conv1d\.weight)|"
                        r"e_score_correction_bias)$")
-FP8_KEYS = re.compile(r"(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight|"
-                      r"mlp\.(gate_proj|up_proj|down_proj)\.weight|"
-                      r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight|"
-                      r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
+FP8_MLP_KEYS = re.compile(r"(mlp\.(gate_proj|up_proj|down_proj)\.weight|"
+                          r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight|"
+                          r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
+FP8_DSA_KEYS = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
+
+
+def is_fp8_in_release(key: str, text_cfg: dict) -> bool:
+    """Whether the released checkpoint stores ``key`` as block FP8: DSA q_a/q_b/kv_a/o_proj (not KDA's o_proj),
+    dense MLPs, routed and shared experts, in the decoder and in the MTP layer (a DSA layer)."""
+    if FP8_MLP_KEYS.search(key):
+        return True
+    m = re.match(r"model\.language_model\.layers\.(\d+)\.", key)
+    if m and FP8_DSA_KEYS.search(key):
+        i = int(m.group(1))
+        return i >= text_cfg["num_hidden_layers"] or text_cfg["layer_types"][i] == "indexed_attention"
+    return False
 
 
 def randomize_(model, seed: int = 0):
@@ -147,7 +159,7 @@ def write_checkpoint(out_dir: str, hf_config: dict, fmt: str = "fp32", mtp: bool
             config_json["dtype"] = "bfloat16"
         if fmt == "fp8":
             for k in list(sd):
-                if FP8_KEYS.search(k):
+                if is_fp8_in_release(k, text):
                     q, s = quantize_fp8_blockwise(sd[k].float())
                     sd[k] = q
                     sd[k + "_scale_inv"] = s
