@@ -129,7 +129,12 @@ def write_checkpoint(out_dir: str, hf_config: dict, fmt: str = "fp32", mtp: bool
 
     from megatron_glm5.checkpoint.fp8 import quantize_fp8_blockwise
 
-    cfg = Glm5NextConfig(**{k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")})
+    kw = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
+    if "vision_config" not in kw:  # a throw-away minimal tower instead of transformers' default-sized one
+        h = hf_config["text_config"]["hidden_size"]
+        kw["vision_config"] = dict(depth=1, hidden_size=8, num_heads=1, intermediate_size=8, out_hidden_size=h,
+                                   projection_intermediate_size=8)
+    cfg = Glm5NextConfig(**kw)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration(cfg)
@@ -150,6 +155,10 @@ def write_checkpoint(out_dir: str, hf_config: dict, fmt: str = "fp32", mtp: bool
         with open(os.path.join(tmp, "config.json")) as fh:
             config_json = json.load(fh)
         text = config_json["text_config"]
+        if "vision_config" not in hf_config:
+            # transformers always builds a (default-sized) vision tower; a text-only checkpoint carries none
+            sd = {k: v for k, v in sd.items() if not k.startswith("model.visual.")}
+            config_json.pop("vision_config", None)
         if mtp:
             sd.update(_mtp_tensors(sd, text, seed))
             text["num_nextn_predict_layers"] = 1

@@ -3,8 +3,8 @@
     input_ids [b, s] -> embedding [s, b, h] (+ image features spliced at image-token positions)
       -> expand to hc_mult streams [s, b, n*h] -> decoder layers (this PP stage) -> mean over streams [s, b, h]
       -> final RMSNorm -> untied output layer -> logits [b, s, vocab] (or per-token loss [b, s] given labels)
-    MTP (optional, last stage): megatron-core MultiTokenPredictionBlock on the pre-norm mean hidden state; its
-    loss joins the backward through megatron's MTPLossAutoScaler.
+    MTP (optional, last stage): megatron-core MultiTokenPredictionBlock on the final-normed hidden state (as in
+    megatron's GPTModel); its loss joins the backward through megatron's MTPLossAutoScaler.
 
 Module tree (state-dict names; the HF key table in ``checkpoint/hf_keys.py`` maps them):
     embedding.word_embeddings.weight, vision_model.*, decoder.layers.{j}.*, final_layernorm.weight,
@@ -135,10 +135,10 @@ class Glm5Model(MegatronModule):
         return emb
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[s, b, h] pre-norm hidden -> [s, b, vocab(/tp)] logits."""
+        """[s, b, h] normalised hidden -> [s, b, vocab(/tp)] logits (the untied lm_head, shared with MTP)."""
         weight = self.embedding.word_embeddings.weight if (
             self.config.tie_word_embeddings and self.pre_process) else None
-        logits, _ = self.output_layer(self.final_layernorm(hidden), weight=weight)
+        logits, _ = self.output_layer(hidden, weight=weight)
         return logits
 
     def _mtp_embedding(self, input_ids, position_ids):
@@ -160,7 +160,7 @@ class Glm5Model(MegatronModule):
         hidden = self.decoder(hidden, packed_seq_params=packed_seq_params)
         if not self.post_process:
             return hidden
-        hidden = contract_streams(hidden, self.hc_mult)
+        hidden = self.final_layernorm(contract_streams(hidden, self.hc_mult))
 
         if self.mtp_process and labels is not None:
             hidden = self._add_mtp_loss(hidden, input_ids, labels, loss_mask, packed_seq_params)
@@ -180,7 +180,9 @@ class Glm5Model(MegatronModule):
         return loss.transpose(0, 1).contiguous()
 
     def _add_mtp_loss(self, hidden, input_ids, labels, loss_mask, packed_seq_params):
-        """Run the MTP block on ``hidden`` [s, b, h] and attach its scaled loss to the backward of ``hidden``."""
+        """Run the MTP block on the final-normed ``hidden`` [s, b, h] (megatron-core's GPTModel contract: its
+        decoder output is normed) and attach the scaled MTP loss to the backward of ``hidden``. The MTP layer's own
+        ``final_layernorm`` (HF ``shared_head.norm``) precedes the shared output layer."""
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
         out = self.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden, attention_mask=None,
                        packed_seq_params=packed_seq_params, embedding=self._mtp_embedding)
