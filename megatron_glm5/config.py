@@ -309,10 +309,11 @@ class Glm5Config(MLATransformerConfig):
         text = dict(self.hf_text_config)
         text.update(
             model_type="glm5_next_text", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.ffn_hidden_size, moe_intermediate_size=self.moe_ffn_hidden_size,
+            intermediate_size=self.ffn_hidden_size,
+            moe_intermediate_size=self.moe_ffn_hidden_size or text.get("moe_intermediate_size", 2048),
             num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_attention_heads, n_shared_experts=self.n_shared_experts,
-            n_routed_experts=self.num_moe_experts, routed_scaling_factor=self.moe_router_topk_scaling_factor,
+            n_routed_experts=self.num_moe_experts or text.get("n_routed_experts", 288), routed_scaling_factor=self.moe_router_topk_scaling_factor,
             kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank, qk_rope_head_dim=0,
             v_head_dim=self.v_head_dim, qk_nope_head_dim=self.qk_head_dim,
             n_group=self.moe_router_num_groups or 1, topk_group=self.moe_router_group_topk or 1,
@@ -397,6 +398,7 @@ def _text_fields_from_hf(t: dict) -> dict:
     moe_ffn = int(t.get("moe_intermediate_size", 2048))
     n_shared = int(t.get("n_shared_experts") or 0)
     mtp = int(t.get("num_nextn_predict_layers") or 0)
+    has_moe = SPARSE_MLP in mlp_types
     kw = dict(
         num_layers=n,
         hidden_size=int(t.get("hidden_size", 4096)),
@@ -415,10 +417,10 @@ def _text_fields_from_hf(t: dict) -> dict:
         qk_pos_emb_head_dim=0,
         v_head_dim=int(t.get("v_head_dim", 256)),
         # MoE
-        num_moe_experts=num_experts if SPARSE_MLP in mlp_types else None,
-        moe_ffn_hidden_size=moe_ffn,
+        num_moe_experts=num_experts if has_moe else None,
+        moe_ffn_hidden_size=moe_ffn if has_moe else None,
         moe_router_topk=int(t.get("num_experts_per_tok", 8)),
-        moe_shared_expert_intermediate_size=(moe_ffn * n_shared) if n_shared else None,
+        moe_shared_expert_intermediate_size=(moe_ffn * n_shared) if (n_shared and has_moe) else None,
         n_shared_experts=n_shared,
         moe_layer_freq=[1 if x == SPARSE_MLP else 0 for x in mlp_types],
         moe_router_topk_scaling_factor=float(t.get("routed_scaling_factor", 2.5)),

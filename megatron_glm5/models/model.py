@@ -59,6 +59,15 @@ class Glm5Decoder(MegatronModule):
     def set_input_tensor(self, input_tensor):
         self.input_tensor = input_tensor
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Layers under their *global* index (``decoder.layers.{i}.``), so a checkpoint saved at one PP/VPP layout
+        loads at any other. KDA and DSA layers hold different tensors, so there is no stacked layer axis."""
+        out = {}
+        for layer in self.layers:
+            out.update(layer.sharded_state_dict(f"{prefix}layers.{layer.layer_number - 1}.", sharded_offsets,
+                                                metadata))
+        return out
+
     def _layer_forward(self, layer, hidden_states, packed_seq_params, shared_topk):
         if self.config.recompute_granularity == "full" and self.training:
             def run(h, t):

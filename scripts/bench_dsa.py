@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Time one KPool-DSA layer (fwd+bwd, bf16, released widths by default) against sequence length.
+
+    python scripts/bench_dsa.py [--seqs 4096,16384,32768,65536] [--backends sparse,torch] [--tiny]
+
+Prints ms per fwd+bwd and peak memory for each backend and length; a backend that runs out of memory is reported
+as OOM. The indexer runs as in training (no gradient).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqs", default="4096,16384,32768,65536")
+    p.add_argument("--backends", default="sparse,torch")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke run)")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from megatron_glm5.config import Glm5Config, glm5_flash_hf_config, tiny_hf_config
+    from megatron_glm5.initialize import initialize_megatron
+    from megatron_glm5.models.kpool_dsa import Glm5DSAttention, get_dsa_module_spec
+    from megatron_glm5.models.packing import make_packed_seq_params
+
+    initialize_megatron()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = tiny_hf_config() if a.tiny else glm5_flash_hf_config()
+    hf["text_config"]["num_hidden_layers"] = 4
+    hf["text_config"]["layer_types"] = ["linear_attention"] * 3 + ["indexed_attention"]
+    hf["text_config"]["mlp_layer_types"] = ["dense"] * 4
+    hf["text_config"].pop("num_nextn_predict_layers", None)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    for backend in a.backends.split(","):
+        cfg = Glm5Config.from_hf(hf, dsa_backend=backend, params_dtype=dtype, use_cpu_initialization=True)
+        spec = get_dsa_module_spec()
+        layer = Glm5DSAttention(cfg, spec.submodules, layer_number=4).to(dev)
+        for s in [int(x) for x in a.seqs.split(",")]:
+            x = torch.randn(s, 1, cfg.hidden_size, device=dev, dtype=dtype, requires_grad=True)
+            psp = make_packed_seq_params(torch.tensor([0, s], dtype=torch.int32, device=dev))
+            try:
+                if dev == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                times = []
+                for i in range(a.iters + 1):
+                    if dev == "cuda":
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                    else:
+                        import time
+
+                        t0 = time.perf_counter()
+                    out, _ = layer(x, packed_seq_params=psp)
+                    out.float().square().mean().backward()
+                    if dev == "cuda":
+                        end.record()
+                        torch.cuda.synchronize()
+                        ms = start.elapsed_time(end)
+                    else:
+                        ms = (time.perf_counter() - t0) * 1e3
+                    if i:
+                        times.append(ms)
+                peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else float("nan")
+                print(f"dsa backend={backend:6s} seq={s:6d}: fwd+bwd {min(times):8.1f} ms  peak {peak:6.1f} GiB")
+            except torch.OutOfMemoryError:
+                print(f"dsa backend={backend:6s} seq={s:6d}: OOM")
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
