@@ -28,30 +28,6 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FP32_KEYS = re.compile(r"(hc_(attn|ffn)_(base|scale)|self_attn\.(A_log|dt_bias|[qkv]_conv1d\.weight)|"
-                       r"e_score_correction_bias)$")
-FP8_MLP_KEYS = re.compile(r"(mlp\.(gate_proj|up_proj|down_proj)\.weight|"
-                          r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight|"
-                          r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
-FP8_DSA_KEYS = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
-
-
-def is_fp8_in_release(key: str, text_cfg: dict) -> bool:
-    """Whether the released checkpoint stores ``key`` as block FP8: DSA q_a/q_b/kv_a/o_proj (not KDA's o_proj),
-    dense MLPs, routed and shared experts, in the decoder and in the MTP layer (a DSA layer)."""
-    if FP8_MLP_KEYS.search(key):
-        return True
-    m = re.match(r"model\.language_model\.layers\.(\d+)\.", key)
-    if m and FP8_DSA_KEYS.search(key):
-        i = int(m.group(1))
-        return i >= text_cfg["num_hidden_layers"] or text_cfg["layer_types"][i] == "indexed_attention"
-    return False
-
-
-def randomize_(model, seed: int = 0):
-    """Give every parameter of an HF Glm5Next model non-trivial random values (deterministic in ``seed``)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
 
     def rn(t, std, mean=0.0):
@@ -127,7 +103,8 @@ def write_checkpoint(out_dir: str, hf_config: dict, fmt: str = "fp32", mtp: bool
     from safetensors.torch import load_file, save_file
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    from megatron_glm5.checkpoint.fp8 import quantize_fp8_blockwise
+    from megatron_glm5.checkpoint.fp8 import is_fp8_in_release, quantize_fp8_blockwise
+    from megatron_glm5.checkpoint.hf_keys import is_fp32_island_hf
 
     kw = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
     if "vision_config" not in kw:  # a throw-away minimal tower instead of transformers' default-sized one
@@ -164,7 +141,7 @@ def write_checkpoint(out_dir: str, hf_config: dict, fmt: str = "fp32", mtp: bool
             text["num_nextn_predict_layers"] = 1
         if fmt in ("bf16", "fp8"):
             for k in list(sd):
-                sd[k] = sd[k].float() if FP32_KEYS.search(k) else sd[k].to(torch.bfloat16)
+                sd[k] = sd[k].float() if is_fp32_island_hf(k) else sd[k].to(torch.bfloat16)
             config_json["dtype"] = "bfloat16"
         if fmt == "fp8":
             for k in list(sd):

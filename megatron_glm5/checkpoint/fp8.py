@@ -8,6 +8,7 @@ The block size comes from ``quantization_config.weight_block_size`` when given a
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional, Sequence
 
 import torch
@@ -53,3 +54,21 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block_size: Sequence[int] = (12
     scale = amax / FP8_MAX
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(gr * bo, gc * bi)[:rows, :cols].contiguous(), scale.float()
+
+
+FP8_MLP_KEYS = re.compile(r"(mlp\.(gate_proj|up_proj|down_proj)\.weight|"
+                          r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight|"
+                          r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
+FP8_DSA_KEYS = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
+
+
+def is_fp8_in_release(key: str, text_cfg: dict) -> bool:
+    """Whether the released checkpoint stores ``key`` as block FP8: DSA q_a/q_b/kv_a/o_proj (not KDA's o_proj),
+    dense MLPs, routed and shared experts, in the decoder and in the MTP layer (a DSA layer)."""
+    if FP8_MLP_KEYS.search(key):
+        return True
+    m = re.match(r"model\.language_model\.layers\.(\d+)\.", key)
+    if m and FP8_DSA_KEYS.search(key):
+        i = int(m.group(1))
+        return i >= text_cfg["num_hidden_layers"] or text_cfg["layer_types"][i] == "indexed_attention"
+    return False

@@ -165,6 +165,16 @@ def _candidate_mcore_names(hf_name: str, num_layers: int) -> List[str]:
     return out
 
 
+# HF keys the reference keeps in fp32 in every checkpoint it writes (transformers' _keep_in_fp32_modules_strict)
+HF_FP32_KEYS = re.compile(r"(hc_(attn|ffn)_(base|scale)|self_attn\.(A_log|dt_bias|[qkv]_conv1d\.weight)|"
+                          r"e_score_correction_bias)$")
+
+
+def is_fp32_island_hf(hf_name: str) -> bool:
+    """Whether an HF checkpoint stores ``hf_name`` in fp32 even in a bf16 / FP8 checkpoint."""
+    return bool(HF_FP32_KEYS.search(hf_name))
+
+
 def is_non_persistent(name: str) -> bool:
     return any(p.match(name) for p in NON_PERSISTENT_MCORE)
 

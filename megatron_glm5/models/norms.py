@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 
-def param_device(config) -> torch.device:
-    """Where megatron-style modules allocate parameters: CPU with ``use_cpu_initialization`` or without CUDA."""
+def param_device(config):
+    """Where megatron-style modules allocate parameters: the current CUDA device, or ``None`` (torch's default
+    device, the CPU unless a ``with torch.device(...)`` context, e.g. ``"meta"``, says otherwise) with
+    ``use_cpu_initialization`` or without CUDA."""
     if config is None or getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
-        return torch.device("cpu")
+        return None
     return torch.device("cuda", torch.cuda.current_device())
 
 
