@@ -28,6 +28,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
 def randomize_(model, seed: int = 0):
     """Give every parameter of an HF Glm5Next model non-trivial random values (deterministic in ``seed``)."""
     import torch
@@ -107,7 +108,8 @@ def write_checkpoint(out_dir: str, hf_config: dict, fmt: str = "fp32", mtp: bool
     from safetensors.torch import load_file, save_file
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    from megatron_glm5.checkpoint.fp8 import quantize_fp8_blockwise
+    from megatron_glm5.checkpoint.fp8 import is_fp8_in_release, quantize_fp8_blockwise
+    from megatron_glm5.checkpoint.hf_keys import is_fp32_island_hf
 
     kw = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
     if "vision_config" not in kw:  # a throw-away minimal tower instead of transformers' default-sized one
