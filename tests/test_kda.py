@@ -394,7 +394,8 @@ def test_fla_backend_matches_torch(mcore, dtype):
     pytest.importorskip("triton")
     cfg = Glm5Config.from_hf({"text_config": _hf_text_dict()}, kda_backend="torch")
     torch_mod = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).cuda()
-    fla_mod = copy.deepcopy(torch_mod)
+    fla_mod = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).cuda()
+    fla_mod.load_state_dict(torch_mod.state_dict())
     fla_mod.backend = "fla"
     with torch.no_grad():  # non-trivial gate parameters
         for m in (torch_mod, fla_mod):
@@ -412,7 +413,8 @@ def test_fla_backend_matches_torch(mcore, dtype):
         out = m(xi, packed_seq_params=make_packed_seq_params(cu))[0]
         (out.float() * w.float()).sum().backward()
         res.append((out.float(), xi.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}))
-    tol_out, tol_grad = (1e-4, 1e-3) if dtype == torch.float32 else (3e-2, 5e-2)
+    # FLA's triton kernels use TF32 tensor-core dots for fp32 inputs: fp32 agreement is at TF32 level
+    tol_out, tol_grad = (5e-3, 1e-2) if dtype == torch.float32 else (3e-2, 5e-2)
     assert _rel_max(res[1][0], res[0][0]) < tol_out
     assert _rel_l2(res[1][1], res[0][1]) < tol_grad
     for n in res[0][2]:

@@ -24,9 +24,9 @@ def default_backends(device: str) -> dict:
         try:
             import fla.ops.kda  # noqa: F401
 
-            return {"kda_backend": "fla", "dsa_backend": "sparse"}
+            return {"kda_backend": "fla", "dsa_backend": "torch"}
         except Exception:  # noqa: BLE001 - no triton / fla on this machine
-            return {"kda_backend": "torch", "dsa_backend": "sparse"}
+            return {"kda_backend": "torch", "dsa_backend": "torch"}
     return {"kda_backend": "torch", "dsa_backend": "torch"}
 
 

@@ -1,0 +1,355 @@
+"""HF -> megatron-core torch_dist converter: bitwise equal to the single-process HF loader, same files and layout as
+megatron's own save, fp32 logits equal to tools/hf_forward.py, loads at TP=2 / EP=2 / PP=2, --workers 2 equals
+--workers 1, and bad inputs exit 2 with one line and leave nothing behind."""
+
+import json
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from megatron_glm5.checkpoint.hf_io import HFCheckpointReader, load_hf_checkpoint  # noqa: E402
+from megatron_glm5.checkpoint.hf_keys import canonical_name, is_non_persistent, mcore_to_hf  # noqa: E402
+from megatron_glm5.config import Glm5Config, tiny_hf_config  # noqa: E402
+
+ERR = "convert_hf_to_mcore: error:"
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _build(hf_dir, dtype=torch.bfloat16, pre=True, post=True, **overrides):
+    """A real model of this rank (fp32 build, then cast like the trainer: the fp32 islands stay fp32)."""
+    from megatron_glm5.models.builder import build_model
+
+    cfg = Glm5Config.from_hf(hf_dir, use_cpu_initialization=True, perform_initialization=False,
+                             params_dtype=torch.float32, **overrides)
+    return build_model(cfg, pre_process=pre, post_process=post, parallel_output=False).to_dtype(dtype)
+
+
+def _load_mcore(model, ckpt, strict="assume_ok_unexpected"):
+    from megatron.core import dist_checkpointing
+
+    sd = dist_checkpointing.load(model.sharded_state_dict(), ckpt, strict=strict)
+    off = model.decoder.layer_range.start
+    if off and set(sd) - set(model.state_dict()):
+        # Glm5Decoder.sharded_state_dict keys its dict (not only its ShardedTensors) by the global layer index;
+        # the module's own state-dict names on a later pipeline stage are local
+        sd = {re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) - off}.", k): v
+              for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+def _tensors(model):
+    return {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not is_non_persistent(k)}
+
+
+def _convert(hf_dir, out, *extra):
+    from convert_hf_to_mcore import main
+
+    return main(["--hf-dir", str(hf_dir), "--out", str(out), "--no-progress", *extra])
+
+
+def _copy_ckpt(src, dst, mutate=None, mutate_cfg=None):
+    os.makedirs(dst)
+    sd = {}
+    for f in os.listdir(src):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(src, f)))
+    if mutate:
+        mutate(sd)
+    save_file(sd, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as fh:
+        cfg = json.load(fh)
+    if mutate_cfg:
+        mutate_cfg(cfg)
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return str(dst)
+
+
+def _free_port():
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, mcore):
+    """The tiny FP8 + MTP HF checkpoint and its bf16 / fp32 conversions (1 process)."""
+    from make_tiny_hf_checkpoint import write_checkpoint
+
+    root = tmp_path_factory.mktemp("convert")
+    hf = write_checkpoint(str(root / "hf_fp8"), tiny_hf_config(mtp=True), fmt="fp8", mtp=True, seed=11)
+    assert _convert(hf, root / "bf16") == 0
+    assert _convert(hf, root / "fp32", "--dtype", "fp32") == 0
+    return {"hf": hf, "bf16": str(root / "bf16"), "fp32": str(root / "fp32"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts):
+    """What the single-process HF loader gives, cast to bf16 like the trainer (TP1)."""
+    m = _build(ckpts["hf"], dtype=torch.float32)
+    load_hf_checkpoint(m, ckpts["hf"])
+    return m.to_dtype(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------- TP1
+def test_bf16_checkpoint_loads_bitwise_like_hf_loader(ckpts, reference):
+    got = _load_mcore(_build(ckpts["hf"]), ckpts["bf16"], strict="raise_all")  # no missing / unexpected key
+    ref, out = _tensors(reference), _tensors(got)
+    assert ref.keys() == out.keys()
+    bad = [k for k in ref if out[k].dtype != ref[k].dtype or not torch.equal(out[k], ref[k])]
+    assert not bad, bad
+    assert out["decoder.layers.1.self_attention.q_b_proj.weight"].dtype == torch.bfloat16  # FP8 in the source
+    assert out["decoder.layers.1.mlp.router.weight"].dtype == torch.float32  # keep_fp32 island
+    assert out["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
+    assert out["mtp.layers.0.eh_proj.weight"].dtype == torch.bfloat16
+
+    files = sorted(os.listdir(ckpts["bf16"]))
+    assert files == [".metadata", "__0_0.distcp", "common.pt", "conversion_info.json", "hf_config.json",
+                     "metadata.json"]
+    with open(os.path.join(ckpts["bf16"], "hf_config.json")) as fh:
+        assert json.load(fh) == json.loads(json.dumps(Glm5Config.from_hf(ckpts["hf"]).to_hf_dict()))
+    with open(os.path.join(ckpts["bf16"], "conversion_info.json")) as fh:
+        info = json.load(fh)
+    assert info["dtype"] == "bf16" and info["layout"] == {"tp": 1, "pp": 1, "ep": 1}
+    assert info["source"] == os.path.abspath(ckpts["hf"]) and info["tensor_bytes"] > 0
+    assert not [f for f in os.listdir(ckpts["root"]) if f.startswith(".")]  # no temporary folder left
+
+
+def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
+    """megatron's own dist_checkpointing.save of the loaded model writes the same tensors, shapes, dtypes, chunks,
+    common.pt and metadata.json (it only splits the data over 2 files per rank)."""
+    from megatron.core import dist_checkpointing
+
+    ref_dir = tmp_path / "mcore_save"
+    ref_dir.mkdir()
+    dist_checkpointing.save(reference.sharded_state_dict(), str(ref_dir))
+    with open(ref_dir / "metadata.json") as a, open(os.path.join(ckpts["bf16"], "metadata.json")) as b:
+        assert json.load(a) == json.load(b)
+    assert torch.load(ref_dir / "common.pt") == torch.load(os.path.join(ckpts["bf16"], "common.pt"))
+    with open(ref_dir / ".metadata", "rb") as a, open(os.path.join(ckpts["bf16"], ".metadata"), "rb") as b:
+        ma, mb = pickle.load(a).state_dict_metadata, pickle.load(b).state_dict_metadata
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert type(ma[k]) is type(mb[k]), k
+        if hasattr(ma[k], "chunks"):
+            assert ma[k].size == mb[k].size and ma[k].properties.dtype == mb[k].properties.dtype, k
+            assert sorted(map(repr, ma[k].chunks)) == sorted(map(repr, mb[k].chunks)), k
+    a, b = dist_checkpointing.load_plain_tensors(str(ref_dir)), dist_checkpointing.load_plain_tensors(ckpts["bf16"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
+def test_fp32_logits_equal_hf_forward(ckpts):
+    import hf_forward
+
+    from megatron_glm5.models.packing import make_packed_seq_params
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 250, (1, 24), generator=g)
+    cu = torch.tensor([0, 9, 24], dtype=torch.int32)
+    want = hf_forward.run(ckpts["hf"], {"input_ids": ids, "cu_seqlens": cu})
+    model = _load_mcore(_build(ckpts["hf"], dtype=torch.float32), ckpts["fp32"], strict="raise_all").eval()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():
+        got = model(ids, packed_seq_params=make_packed_seq_params(cu)).float()
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+# --------------------------------------------------------------------------------------------- other layouts
+def _global_name(local, model):
+    """canonical_name, plus the global expert id of the MTP layer's routed experts (canonical_name maps expert ids
+    only under decoder.layers)."""
+    name = canonical_name(local, model)
+    m = re.match(r"(mtp\.layers\.(\d+)\.transformer_layer\.mlp\.experts\.local_experts\.)(\d+)(\..*)", name)
+    if m:
+        mlp = model.mtp.layers[int(m.group(2))].transformer_layer.mlp
+        name = f"{m.group(1)}{mlp.local_expert_indices[int(m.group(3))]}{m.group(4)}"
+    return name
+
+
+def _tp_shard(full, local, param, parts, rank, tp):
+    """This TP rank's slice of a TP1 tensor: along the param's ``partition_dim`` ([gate; up] sliced part by part).
+    megatron's parallel layers built with use_cpu_initialization and perform_initialization=False carry no
+    ``partition_dim``; there the one axis whose size differs is the partition axis."""
+    if param is not None and getattr(param, "tensor_model_parallel", False):
+        dim = param.partition_dim
+    else:
+        dims = [d for d in range(full.dim()) if full.shape[d] != local.shape[d]]
+        assert len(dims) <= 1, (full.shape, local.shape)
+        if not dims:
+            return full
+        dim = dims[0]
+    if parts > 1 and dim == 0:
+        return torch.cat([p.chunk(tp, dim=0)[rank] for p in full.chunk(parts, dim=0)], dim=0)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def _layout_worker(rank, world, port, hf_dir, ckpt, ref_path):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5.initialize import destroy_megatron, initialize_megatron
+
+    ref = torch.load(ref_path)
+    try:
+        for tp, pp, ep in [(2, 1, 1), (1, 1, 2), (1, 2, 1)]:
+            initialize_megatron(tp=tp, pp=pp, ep=ep)
+            sizes = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                         pipeline_dtype=torch.bfloat16)
+            if pp > 1:  # the model supports MTP only at PP = 1; the checkpoint's MTP tensors are simply not asked for
+                first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+                model = _build(hf_dir, pre=first, post=last, mtp_num_layers=None, **sizes)
+            else:
+                model = _build(hf_dir, **sizes)
+            _load_mcore(model, ckpt)
+            params = dict(model.named_parameters())
+            n_split = 0
+            names = []
+            for local, t in _tensors(model).items():
+                name = _global_name(local, model)
+                names.append(name)
+                want = ref[name]
+                if tp > 1:
+                    want = _tp_shard(want, t, params.get(local), len(mcore_to_hf(name, model.config.num_layers)),
+                                     ps.get_tensor_model_parallel_rank(), tp)
+                    n_split += int(want.shape != ref[name].shape)
+                assert t.dtype == want.dtype and torch.equal(t, want), (tp, pp, ep, rank, local, name)
+            if tp > 1:
+                assert n_split > 20, n_split
+            if ep > 1:  # this rank holds the global experts 4r..4r+3 of every MoE layer
+                for prefix in ("decoder.layers.1.", "mtp.layers.0.transformer_layer."):
+                    assert f"{prefix}mlp.experts.local_experts.{4 * rank + 3}.linear_fc2.weight" in names
+                    assert f"{prefix}mlp.experts.local_experts.{4 * (1 - rank)}.linear_fc2.weight" not in names
+            if pp > 1:  # stage r holds the global layers 2r, 2r+1
+                layers = {int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")}
+                assert layers == {2 * rank, 2 * rank + 1}, layers
+    finally:
+        destroy_megatron()
+
+
+def test_loads_at_tp2_ep2_pp2(ckpts, reference, tmp_path):
+    ref_path = str(tmp_path / "ref.pt")
+    torch.save(_tensors(reference), ref_path)
+    mp.start_processes(_layout_worker, args=(2, _free_port(), ckpts["hf"], ckpts["bf16"], ref_path), nprocs=2,
+                       join=True, start_method="spawn")
+
+
+# --------------------------------------------------------------------------------------------- workers
+def test_two_workers_equal_one(ckpts, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    out = tmp_path / "w2"
+    assert _convert(ckpts["hf"], out, "--workers", "2") == 0
+    assert {f for f in os.listdir(out) if f.endswith(".distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert all(os.path.getsize(out / f) > 100_000 for f in ("__0_0.distcp", "__1_0.distcp"))  # balanced
+    a, b = dist_checkpointing.load_plain_tensors(ckpts["bf16"]), dist_checkpointing.load_plain_tensors(str(out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    for f in ("common.pt", "metadata.json", "hf_config.json"):
+        with open(out / f, "rb") as x, open(os.path.join(ckpts["bf16"], f), "rb") as y:
+            assert x.read() == y.read(), f
+
+
+# --------------------------------------------------------------------------------------------- bad inputs
+LM = "model.language_model."
+
+
+def _drop(sd):
+    del sd[LM + "layers.0.self_attn.q_proj.weight"]
+
+
+def _extra(sd):
+    sd[LM + "layers.0.self_attn.bogus.weight"] = torch.zeros(2)
+
+
+def _reshape(sd):
+    sd[LM + "norm.weight"] = torch.ones(3)
+
+
+def _hidden(cfg):
+    cfg["text_config"]["hidden_size"] = 32
+    cfg["vision_config"]["out_hidden_size"] = 32
+
+
+def _nan(sd):
+    k = LM + "layers.1.mlp.experts.5.down_proj.weight_scale_inv"
+    sd[k] = torch.full_like(sd[k], float("nan"))
+
+
+@pytest.mark.parametrize("case,mutate,mutate_cfg,extra,needles", [
+    ("missing", _drop, None, [], ["missing keys (1)", "layers.0.self_attn.q_proj.weight"]),
+    ("unexpected", _extra, None, [], ["unexpected keys (1)", "layers.0.self_attn.bogus.weight"]),
+    ("shape", _reshape, None, [], ["shape mismatches (1)", "norm.weight: checkpoint (3,)"]),
+    ("hidden", None, _hidden, [], ["shape mismatches (", "embed_tokens.weight: checkpoint (256, 64)"]),
+    ("tp3", None, None, ["--tp", "3"], ["--tp 3 does not divide", "num_attention_heads = 4"]),
+    ("ep3", None, None, ["--ep", "3"], ["--ep 3 does not divide n_routed_experts = 8"]),
+    ("pp8", None, None, ["--pp", "8"], ["--pp 8 exceeds num_hidden_layers = 4"]),
+    ("nan", _nan, None, [], ["NaN/inf", "experts.5.down_proj.weight"]),
+])
+def test_bad_input_exits_2_with_one_line_and_no_output(ckpts, tmp_path, capsys, case, mutate, mutate_cfg, extra,
+                                                       needles):
+    src = ckpts["hf"] if mutate is None and mutate_cfg is None else _copy_ckpt(
+        ckpts["hf"], tmp_path / "src", mutate, mutate_cfg)
+    out_parent = tmp_path / "outs"
+    out_parent.mkdir()
+    capsys.readouterr()
+    assert _convert(src, out_parent / "ckpt", *extra) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(ERR), err
+    for needle in needles:
+        assert needle in err[0], (case, err[0][:400])
+    assert os.listdir(out_parent) == []  # no output and no temporary folder
+
+
+def test_existing_output_and_bad_args_exit_2(ckpts, tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    assert _convert(ckpts["hf"], tmp_path / "taken") == 2
+    assert _convert(ckpts["hf"], tmp_path / "x", "--workers", "0") == 2
+    assert _convert(tmp_path / "nope", tmp_path / "y") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 3 and all(line.startswith(ERR) for line in err), err
+    assert sorted(os.listdir(tmp_path)) == ["taken"]
+
+
+def test_cli_process_exit_code(ckpts, tmp_path):
+    """The real command line: exit status 2 and exactly one stderr line."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_mcore.py"), "--hf-dir",
+                        ckpts["hf"], "--out", str(tmp_path / "o"), "--tp", "3"], capture_output=True, text=True)
+    assert r.returncode == 2
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(ERR + " --tp 3 does not divide"), r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupted_conversion_leaves_no_output(ckpts, tmp_path, monkeypatch):
+    from megatron_glm5.checkpoint.mcore_writer import convert_hf_to_mcore
+
+    real_get, calls = HFCheckpointReader.get, []
+
+    def flaky_get(self, key, dtype=None):
+        calls.append(key)
+        if len(calls) == 25:
+            raise RuntimeError("simulated crash while reading " + key)
+        return real_get(self, key, dtype)
+
+    monkeypatch.setattr(HFCheckpointReader, "get", flaky_get)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        convert_hf_to_mcore(ckpts["hf"], str(tmp_path / "ckpt"), progress=False)
+    assert len(calls) == 25
+    assert os.listdir(tmp_path) == []
