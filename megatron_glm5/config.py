@@ -199,6 +199,8 @@ class Glm5Config(MLATransformerConfig):
         self.validate_glm()
         if self.activation_func_clamp_value is None:
             self.activation_func_clamp_value = self.swiglu_limit
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            self.pipeline_dtype = self.params_dtype
         super().__post_init__()
 
     # ------------------------------------------------------------------ validation

@@ -1,6 +1,5 @@
 """Shared test fixtures: a single-process megatron-core environment on CPU (gloo + cpu_compat)."""
 
-import os
 import warnings
 
 import pytest

@@ -11,7 +11,6 @@ from megatron_glm5.config import (
     Glm5Config,
     Glm5ConfigError,
     glm5_flash_config,
-    glm5_flash_hf_config,
     tiny_hf_config,
 )
 

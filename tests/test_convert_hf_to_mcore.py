@@ -5,7 +5,6 @@ megatron's own save, fp32 logits equal to tools/hf_forward.py, loads at TP=2 / E
 import json
 import os
 import pickle
-import re
 import socket
 import subprocess
 import sys
@@ -39,12 +38,6 @@ def _load_mcore(model, ckpt, strict="assume_ok_unexpected"):
     from megatron.core import dist_checkpointing
 
     sd = dist_checkpointing.load(model.sharded_state_dict(), ckpt, strict=strict)
-    off = model.decoder.layer_range.start
-    if off and set(sd) - set(model.state_dict()):
-        # Glm5Decoder.sharded_state_dict keys its dict (not only its ShardedTensors) by the global layer index;
-        # the module's own state-dict names on a later pipeline stage are local
-        sd = {re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) - off}.", k): v
-              for k, v in sd.items()}
     model.load_state_dict(sd, strict=True)
     return model
 
@@ -126,6 +119,10 @@ def test_bf16_checkpoint_loads_bitwise_like_hf_loader(ckpts, reference):
     assert info["dtype"] == "bf16" and info["layout"] == {"tp": 1, "pp": 1, "ep": 1}
     assert info["source"] == os.path.abspath(ckpts["hf"]) and info["tensor_bytes"] > 0
     assert not [f for f in os.listdir(ckpts["root"]) if f.startswith(".")]  # no temporary folder left
+    # the meta-device build leaked no meta tensor into megatron's module-level state (later real backward passes)
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    assert MTPLossAutoScaler.main_loss_backward_scale.device.type == "cpu"
 
 
 def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
@@ -168,29 +165,11 @@ def test_fp32_logits_equal_hf_forward(ckpts):
 
 
 # --------------------------------------------------------------------------------------------- other layouts
-def _global_name(local, model):
-    """canonical_name, plus the global expert id of the MTP layer's routed experts (canonical_name maps expert ids
-    only under decoder.layers)."""
-    name = canonical_name(local, model)
-    m = re.match(r"(mtp\.layers\.(\d+)\.transformer_layer\.mlp\.experts\.local_experts\.)(\d+)(\..*)", name)
-    if m:
-        mlp = model.mtp.layers[int(m.group(2))].transformer_layer.mlp
-        name = f"{m.group(1)}{mlp.local_expert_indices[int(m.group(3))]}{m.group(4)}"
-    return name
-
-
 def _tp_shard(full, local, param, parts, rank, tp):
-    """This TP rank's slice of a TP1 tensor: along the param's ``partition_dim`` ([gate; up] sliced part by part).
-    megatron's parallel layers built with use_cpu_initialization and perform_initialization=False carry no
-    ``partition_dim``; there the one axis whose size differs is the partition axis."""
-    if param is not None and getattr(param, "tensor_model_parallel", False):
-        dim = param.partition_dim
-    else:
-        dims = [d for d in range(full.dim()) if full.shape[d] != local.shape[d]]
-        assert len(dims) <= 1, (full.shape, local.shape)
-        if not dims:
-            return full
-        dim = dims[0]
+    """This TP rank's slice of a TP1 tensor: along the param's ``partition_dim`` ([gate; up] sliced part by part)."""
+    if param is None or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
     if parts > 1 and dim == 0:
         return torch.cat([p.chunk(tp, dim=0)[rank] for p in full.chunk(parts, dim=0)], dim=0)
     return full.chunk(tp, dim=dim)[rank]
@@ -223,7 +202,7 @@ def _layout_worker(rank, world, port, hf_dir, ckpt, ref_path):
             n_split = 0
             names = []
             for local, t in _tensors(model).items():
-                name = _global_name(local, model)
+                name = canonical_name(local, model)
                 names.append(name)
                 want = ref[name]
                 if tp > 1:
@@ -301,16 +280,17 @@ def _nan(sd):
     ("ep3", None, None, ["--ep", "3"], ["--ep 3 does not divide n_routed_experts = 8"]),
     ("pp8", None, None, ["--pp", "8"], ["--pp 8 exceeds num_hidden_layers = 4"]),
     ("nan", _nan, None, [], ["NaN/inf", "experts.5.down_proj.weight"]),
+    ("nan_2_workers", _nan, None, ["--workers", "2"], ["NaN/inf", "experts.5.down_proj.weight"]),
 ])
-def test_bad_input_exits_2_with_one_line_and_no_output(ckpts, tmp_path, capsys, case, mutate, mutate_cfg, extra,
+def test_bad_input_exits_2_with_one_line_and_no_output(ckpts, tmp_path, capfd, case, mutate, mutate_cfg, extra,
                                                        needles):
     src = ckpts["hf"] if mutate is None and mutate_cfg is None else _copy_ckpt(
         ckpts["hf"], tmp_path / "src", mutate, mutate_cfg)
     out_parent = tmp_path / "outs"
     out_parent.mkdir()
-    capsys.readouterr()
+    capfd.readouterr()
     assert _convert(src, out_parent / "ckpt", *extra) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]  # incl. worker processes
     assert len(err) == 1 and err[0].startswith(ERR), err
     for needle in needles:
         assert needle in err[0], (case, err[0][:400])
@@ -325,6 +305,23 @@ def test_existing_output_and_bad_args_exit_2(ckpts, tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 3 and all(line.startswith(ERR) for line in err), err
     assert sorted(os.listdir(tmp_path)) == ["taken"]
+    assert _convert(ckpts["hf"], tmp_path / "taken", "--overwrite") == 0
+    assert sorted(os.listdir(tmp_path)) == ["taken"] and os.path.exists(tmp_path / "taken" / "metadata.json")
+
+
+def test_mtp_weights_skipped_when_config_has_no_mtp(ckpts, tmp_path):
+    """Like transformers: MTP tensors in the checkpoint but no MTP layer in config.json are skipped."""
+    def no_mtp(cfg):
+        cfg["text_config"].pop("num_nextn_predict_layers")
+
+    src = _copy_ckpt(ckpts["hf"], tmp_path / "src", mutate_cfg=no_mtp)
+    assert _convert(src, tmp_path / "out") == 0
+    with open(tmp_path / "out" / "conversion_info.json") as fh:
+        skipped = json.load(fh)["hf_keys_skipped"]
+    assert skipped and all(k.startswith(LM + "layers.4.") for k in skipped)
+    with open(tmp_path / "out" / ".metadata", "rb") as fh:
+        keys = pickle.load(fh).state_dict_metadata.keys()
+    assert not [k for k in keys if k.startswith("mtp.")] and "decoder.layers.3.mlp.router.weight" in keys
 
 
 def test_cli_process_exit_code(ckpts, tmp_path):

@@ -5,7 +5,6 @@ needs triton); HF's ``recurrent_kimi_delta_attention`` / ``chunk_kimi_delta_atte
 ``Glm5NextTextLinearAttention`` run on every document separately.
 """
 
-import copy
 import importlib.util
 import os
 import time

@@ -180,15 +180,20 @@ def is_non_persistent(name: str) -> bool:
 
 
 def canonical_name(local_name: str, model) -> str:
-    """Local state-dict name of ``model`` (one PP/VPP stage, one EP rank) -> canonical global name."""
+    """Local state-dict name of ``model`` (one PP/VPP stage, one EP rank) -> canonical global name: decoder layers
+    by global index, routed experts (decoder and MTP layers) by global expert id."""
+    layer = None
     m = re.match(r"(.*?)decoder\.layers\.(\d+)\.(.*)", local_name)
     if m:
         layer = model.decoder.layers[int(m.group(2))] if hasattr(model, "decoder") else None
         gidx = layer.layer_number - 1 if layer is not None else int(m.group(2))
-        rest = m.group(3)
-        local_name = f"{m.group(1)}decoder.layers.{gidx}.{rest}"
-        mm = re.match(r"(.*mlp\.experts\.local_experts\.)(\d+)(\..*)", local_name)
-        if mm:
-            gexp = layer.mlp.local_expert_indices[int(mm.group(2))]
-            local_name = f"{mm.group(1)}{gexp}{mm.group(3)}"
+        local_name = f"{m.group(1)}decoder.layers.{gidx}.{m.group(3)}"
+    else:
+        m = re.match(r"mtp\.layers\.(\d+)\.transformer_layer\.", local_name)
+        if m and hasattr(model, "mtp"):
+            layer = model.mtp.layers[int(m.group(1))].transformer_layer
+    mm = re.match(r"(.*mlp\.experts\.local_experts\.)(\d+)(\..*)", local_name)
+    if mm and layer is not None:
+        gexp = layer.mlp.local_expert_indices[int(mm.group(2))]
+        local_name = f"{mm.group(1)}{gexp}{mm.group(3)}"
     return local_name

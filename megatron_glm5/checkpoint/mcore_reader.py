@@ -199,7 +199,8 @@ class McoreCheckpointReader:
     @staticmethod
     def _build_meta_model(hf_config: dict):
         from megatron_glm5.config import Glm5Config, Glm5ConfigError
-        from megatron_glm5.models.builder import build_model
+        from megatron_glm5.models import model as _model_module  # noqa: F401 - import (megatron's module-level
+        from megatron_glm5.models.builder import build_model       # tensors) outside the meta-device context
 
         try:
             cfg = Glm5Config.from_hf(hf_config, use_cpu_initialization=True, perform_initialization=False,

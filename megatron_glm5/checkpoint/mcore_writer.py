@@ -42,7 +42,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_glm5.checkpoint.fp8 import FP8_DTYPE
 from megatron_glm5.checkpoint.hf_io import (
     CheckpointMismatchError,
     HFCheckpointReader,
@@ -56,7 +55,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HF_CONFIG_FNAME = "hf_config.json"
 INFO_FNAME = "conversion_info.json"
 # close the reader's safetensors handles (their mmaps count as resident memory) after this many bytes read
-_REOPEN_BYTES = 512 * 2 ** 20
+_REOPEN_BYTES = 256 * 2 ** 20
 
 
 class ConversionInputError(ValueError):
@@ -234,12 +233,10 @@ def ensure_single_process_megatron() -> None:
 
 def build_meta_model(hf_dir: str, dtype: torch.dtype):
     """(config, Glm5Model on the meta device at TP=PP=EP=1). Parallel state must be initialised."""
-    from megatron_glm5.models.builder import build_model
+    from megatron_glm5.models.builder import build_meta_model as _build_meta
 
     cfg = Glm5Config.from_hf(hf_dir, use_cpu_initialization=True, perform_initialization=False, params_dtype=dtype)
-    with torch.device("meta"):
-        model = build_model(cfg)
-    return cfg, model
+    return cfg, _build_meta(cfg)
 
 
 # ----------------------------------------------------------------------------------------------- lazy data
@@ -360,6 +357,9 @@ def prepare_sharded_state_dict(model: torch.nn.Module, sources: Dict[str, Tensor
     if unknown:
         raise RuntimeError(f"sharded tensors whose data is not a model tensor (cannot find their HF source): "
                            f"{unknown}")
+    unsaved = sorted(set(sources) - {src.local for _, src in owned if src is not None})
+    if unsaved:
+        raise RuntimeError(f"model tensors missing from the model's sharded_state_dict: {unsaved}")
 
     # one owner per source (both halves of a fused tensor together), greedy by bytes; ShardedObjects on rank 0
     owner: Dict[str, int] = {}
@@ -433,10 +433,51 @@ def _strategy(lazy: LazyTensors, on_bytes, checkpoint_id: Optional[str] = None):
     )
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.planner import WriteItemType
 
     planner_cls = _planner_cls()
 
     class Writer(FileSystemWriter):
+        """torch's FileSystemWriter, writing each file strictly one item at a time.
+
+        torch 2.13's ``_write_files_from_queue`` keeps every tensor it has written in a dict until its file is done
+        (for its safetensors format), which would hold the whole converted model (and, through safetensors' mmaps,
+        every HF shard) in memory; this loop writes the same records with torch's ``_write_item`` and drops each
+        tensor right after."""
+
+        def _write_data(self, planner, file_queue):
+            from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
+            from torch.futures import Future
+
+            if self.serialization_format != SerializationFormat.TORCH_SAVE:
+                return super()._write_data(planner, file_queue)
+            results = []
+            while True:
+                try:
+                    file_name, storage_key, write_items = file_queue.get_nowait()
+                except queue_mod.Empty:
+                    break
+                with self.fs.create_stream(file_name, "wb") as stream:
+                    for item in [w for w in write_items if w.type == WriteItemType.BYTE_IO]:
+                        data = planner.resolve_data(item)
+                        results.append(_write_item(self.transforms, stream, data, item, storage_key,
+                                                   self.serialization_format))
+                    for item in [w for w in write_items if w.type != WriteItemType.BYTE_IO]:
+                        t = planner.resolve_data(item).detach().cpu()
+                        if t.untyped_storage().size() != t.nbytes:  # a view: save only its own bytes
+                            t = t.clone()
+                        results.append(_write_item(self.transforms, stream, t, item, storage_key,
+                                                   self.serialization_format))
+                        del t
+                    if self.sync_files:
+                        try:
+                            os.fsync(stream.fileno())
+                        except (AttributeError, OSError):
+                            os.sync()
+            fut = Future()
+            fut.set_result(results)
+            return fut
+
         def storage_meta(self):
             meta = super().storage_meta()
             if checkpoint_id is not None:  # the final directory, not the temporary one being written
@@ -505,11 +546,15 @@ def _worker_entry(rank: int, world: int, port: int, hf_dir: str, out_dir: str, d
                                final_dir=final_dir)
         reader.close()
         q.put(("done", rank, stats))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, then re-raised
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which prints the one error
         q.put(("error", rank, type(e).__name__, str(e)))
-        raise
+        code = 1
+    else:
+        code = 0
     finally:
         destroy_megatron()
+    if code:
+        raise SystemExit(code)  # a quiet non-zero exit (no second traceback on the console)
 
 
 def _run_workers(workers: int, hf_dir: str, out_dir: str, dtype_name: str, on_bytes,
@@ -520,8 +565,18 @@ def _run_workers(workers: int, hf_dir: str, out_dir: str, dtype_name: str, on_by
 
     ctx = tmp.get_context("spawn")
     q = ctx.Queue()
-    pc = tmp.start_processes(_worker_entry, args=(workers, _free_port(), hf_dir, out_dir, dtype_name, q, final_dir),
-                             nprocs=workers, join=False, start_method="spawn")
+    # the workers import megatron-core before any code of theirs runs: keep its import-time notices (no Transformer
+    # Engine / Apex, deprecations) off the console, as the CLI does for itself
+    saved = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning" + ("," + saved if saved else "")
+    try:
+        pc = tmp.start_processes(_worker_entry, args=(workers, _free_port(), hf_dir, out_dir, dtype_name, q,
+                                                      final_dir), nprocs=workers, join=False, start_method="spawn")
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
     stats, errors = {}, []
 
     def drain(block: float = 0.0):
@@ -588,8 +643,11 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
         raise ConversionInputError("--out must differ from --hf-dir")
     torch_dtype = DTYPES[dtype]
 
-    validate_layout(hf_dir, tp, pp, ep)
-    reader = HFCheckpointReader(hf_dir)
+    try:
+        validate_layout(hf_dir, tp, pp, ep)
+        reader = HFCheckpointReader(hf_dir)
+    except json.JSONDecodeError as e:
+        raise ConversionInputError(f"{hf_dir}: unreadable JSON ({e})") from None
     ensure_single_process_megatron()
     cfg, model = build_meta_model(hf_dir, torch_dtype)
     sources = model_sources(model, torch_dtype)
@@ -597,6 +655,11 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
     total = sum(s.nbytes for s in sources.values())
 
     parent = os.path.dirname(out_dir)
+    created = []  # parent folders this call creates (removed again if the conversion fails)
+    d = parent
+    while not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     bar = None
@@ -640,6 +703,11 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
         _dir_fsync(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
         raise
     finally:
         if bar is not None:

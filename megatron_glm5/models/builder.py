@@ -6,7 +6,16 @@ from typing import Optional
 
 import torch
 
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
 from megatron_glm5.config import Glm5Config
+# imported here, not lazily: a first import under ``with torch.device("meta")`` would create megatron's module-level
+# tensors (MTPLossAutoScaler.main_loss_backward_scale) on the meta device
+from megatron_glm5.models.model import Glm5Model
 
 
 def _ensure_parallel_state():
@@ -33,10 +42,28 @@ def default_backends(device: str) -> dict:
 def build_model(config: Glm5Config, pre_process: bool = True, post_process: bool = True,
                 vp_stage: Optional[int] = None, parallel_output: bool = True):
     """Glm5Model for this rank (megatron parallel state must be initialised)."""
-    from megatron_glm5.models.model import Glm5Model
+    model = Glm5Model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                      parallel_output=parallel_output)
+    ensure_tp_attributes(model)
+    return model
 
-    return Glm5Model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                     parallel_output=parallel_output)
+
+def ensure_tp_attributes(model: torch.nn.Module) -> None:
+    """megatron-core sets ``tensor_model_parallel`` / ``partition_dim`` on its parallel layers' weights only inside
+    its weight initialisers; with ``perform_initialization=False`` (weights about to be loaded) they are missing, and
+    TP slicing, grad-norm dedup and checkpoint sharding need them. Set them where absent."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        w = getattr(module, "weight", None)
+        if w is not None and not hasattr(w, "tensor_model_parallel"):
+            w.tensor_model_parallel = True
+            w.partition_dim = dim
+            w.partition_stride = 1
 
 
 def build_model_from_hf(hf_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -58,3 +85,16 @@ def build_model_from_hf(hf_dir: str, dtype: torch.dtype = torch.float32, device:
     model.to(device)
     model.eval()
     return model
+
+
+def build_meta_model(config: Glm5Config, **kwargs):
+    """The model with every tensor on the meta device: its ``sharded_state_dict()`` gives the exact checkpoint
+    structure (keys, global shapes, expert axes, factories) at no memory cost (~3 s for the 321B model).
+
+    Everything the build imports is imported before entering the meta context, so module-level tensors created at
+    import time (megatron's ``MTPLossAutoScaler.main_loss_backward_scale``) stay real.
+    """
+    import megatron_glm5.models.vision  # noqa: F401  (imported lazily by Glm5Model)
+
+    with torch.device("meta"):
+        return build_model(config, **kwargs)

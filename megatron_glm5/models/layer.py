@@ -13,7 +13,7 @@ Per site (HF ``Glm5NextTextDecoderLayer``)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_token_prediction import (
@@ -60,12 +61,15 @@ class Glm5Decoder(MegatronModule):
         self.input_tensor = input_tensor
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Layers under their *global* index (``decoder.layers.{i}.``), so a checkpoint saved at one PP/VPP layout
-        loads at any other. KDA and DSA layers hold different tensors, so there is no stacked layer axis."""
+        """Sharded keys name layers by their *global* index (``decoder.layers.{i}.``), so a checkpoint saved at one
+        PP/VPP layout loads at any other; the dict keys keep the local index (``load_state_dict`` needs them).
+        KDA and DSA layers hold different tensors, so there is no stacked layer axis."""
         out = {}
-        for layer in self.layers:
-            out.update(layer.sharded_state_dict(f"{prefix}layers.{layer.layer_number - 1}.", sharded_offsets,
-                                                metadata))
+        for j, layer in enumerate(self.layers):
+            local, global_ = f"{prefix}layers.{j}.", f"{prefix}layers.{layer.layer_number - 1}."
+            layer_sd = layer.sharded_state_dict(local, sharded_offsets, metadata)
+            replace_prefix_for_sharding(layer_sd, local, global_)  # dict keys stay local, sharded keys global
+            out.update(layer_sd)
         return out
 
     def _layer_forward(self, layer, hidden_states, packed_seq_params, shared_topk):
