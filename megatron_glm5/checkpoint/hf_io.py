@@ -163,17 +163,26 @@ def hf_to_mcore_safe(k, num_layers, mtp_layers):
 
 
 def _belongs_to_model(target, model) -> bool:
-    """Whether an unused HF key would have belonged to this model shard (so it is really unexpected)."""
+    """Whether an unused HF key would have belonged to this model shard (PP stage, EP rank), so it is really
+    unexpected."""
     name = target[0]
     if name == "<unknown>":
         return True
     import re
 
+    layer = None
     m = re.match(r"decoder\.layers\.(\d+)\.", name)
     if m:
         rng = model.decoder.layer_range
         if int(m.group(1)) not in rng:
             return False
+        layer = model.decoder.layers[int(m.group(1)) - rng.start]
+    m = re.match(r"mtp\.layers\.(\d+)\.transformer_layer\.", name)
+    if m and getattr(model, "mtp_process", False):
+        layer = model.mtp.layers[int(m.group(1))].transformer_layer
+    m = re.search(r"mlp\.experts\.local_experts\.(\d+)\.", name)
+    if m and layer is not None and int(m.group(1)) not in getattr(layer.mlp, "local_expert_indices", []):
+        return False  # another EP rank's expert
     if name.startswith("embedding.") or name.startswith("vision_model."):
         return getattr(model, "pre_process", True)
     if name.startswith(("final_layernorm", "output_layer", "mtp.")):

@@ -199,8 +199,7 @@ class McoreCheckpointReader:
     @staticmethod
     def _build_meta_model(hf_config: dict):
         from megatron_glm5.config import Glm5Config, Glm5ConfigError
-        from megatron_glm5.models import model as _model_module  # noqa: F401 - import (megatron's module-level
-        from megatron_glm5.models.builder import build_model       # tensors) outside the meta-device context
+        from megatron_glm5.models.builder import build_meta_model
 
         try:
             cfg = Glm5Config.from_hf(hf_config, use_cpu_initialization=True, perform_initialization=False,
@@ -208,9 +207,7 @@ class McoreCheckpointReader:
         except (Glm5ConfigError, TypeError, ValueError, KeyError) as e:
             raise McoreCheckpointError(f"invalid HF config: {_one_line(e)}") from None
         _ensure_single_process_parallel_state()
-        with torch.device("meta"):
-            model = build_model(cfg, parallel_output=False)
-        return cfg, model
+        return cfg, build_meta_model(cfg, parallel_output=False)
 
     def _read_ckpt_metadata(self):
         try:
