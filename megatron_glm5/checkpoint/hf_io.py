@@ -131,28 +131,38 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str, strict: bool = True,
             used.update(hf_names)
             if verbose:
                 print(f"loaded {local} <- {', '.join(hf_names)}")
+    unexpected, skipped = split_unused_keys(hf_keys, used, model, num_layers, mtp_layers, strict)
+    reader.close()
+    raise_if_mismatched(hf_dir, missing, unexpected, mismatched)
+    return {"loaded": len(used), "skipped": skipped}
+
+
+def split_unused_keys(hf_keys, used, model, num_layers: int, mtp_layers: int, strict: bool = True):
+    """HF keys no model tensor consumed -> (unexpected: they belong to this model shard, skipped: they do not —
+    other PP stages / EP ranks, MTP weights without an MTP layer, FP8 scales of used weights)."""
     unexpected, skipped = [], []
-    for k in sorted(hf_keys - used):
+    for k in sorted(set(hf_keys) - set(used)):
         if k.endswith("weight_scale_inv") and k[: -len("_scale_inv")] in used:
             continue
         target = hf_to_mcore_safe(k, num_layers, mtp_layers)
-        if target is None:
-            skipped.append(k)
-        elif strict and _belongs_to_model(target, model):
+        if target is not None and strict and _belongs_to_model(target, model):
             unexpected.append(k)
         else:
             skipped.append(k)
-    reader.close()
+    return unexpected, skipped
+
+
+def raise_if_mismatched(hf_dir: str, missing, unexpected, mismatched, shape_hint: str = "") -> None:
+    """One CheckpointMismatchError listing every missing, unexpected and shape-mismatched key."""
     problems = []
     if missing:
         problems.append(f"missing keys ({len(missing)}): {sorted(missing)}")
     if unexpected:
         problems.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
     if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
+        problems.append(f"shape mismatches ({len(mismatched)}){shape_hint}: {mismatched}")
     if problems:
         raise CheckpointMismatchError(f"{hf_dir}: " + "; ".join(problems))
-    return {"loaded": len(used), "skipped": skipped}
 
 
 def hf_to_mcore_safe(k, num_layers, mtp_layers):

@@ -45,8 +45,8 @@ import torch.distributed as dist
 from megatron_glm5.checkpoint.hf_io import (
     CheckpointMismatchError,
     HFCheckpointReader,
-    _belongs_to_model,
-    hf_to_mcore_safe,
+    raise_if_mismatched,
+    split_unused_keys,
 )
 from megatron_glm5.checkpoint.hf_keys import canonical_name, is_non_persistent, mcore_to_hf
 from megatron_glm5.config import Glm5Config, Glm5ConfigError
@@ -190,25 +190,9 @@ def validate_hf_checkpoint(hf_dir: str, reader: HFCheckpointReader, model: torch
             elif _hf_dtype(reader, k) == "F8_E4M3" and k + "_scale_inv" not in hf_keys:
                 missing.append(k + "_scale_inv")
         used.update(s.hf_keys)
-    unexpected, skipped = [], []
-    for k in sorted(hf_keys - used):
-        if k.endswith("weight_scale_inv") and k[: -len("_scale_inv")] in used:
-            continue
-        target = hf_to_mcore_safe(k, cfg.num_layers, cfg.mtp_num_layers or 0)
-        if target is not None and _belongs_to_model(target, model):
-            unexpected.append(k)
-        else:
-            skipped.append(k)
-    problems = []
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {sorted(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}) - does config.json describe these weights?: "
-                        f"{mismatched}")
-    if problems:
-        raise CheckpointMismatchError(f"{hf_dir}: " + "; ".join(problems))
+    unexpected, skipped = split_unused_keys(hf_keys, used, model, cfg.num_layers, cfg.mtp_num_layers or 0)
+    raise_if_mismatched(hf_dir, missing, unexpected, mismatched,
+                        shape_hint=" - does config.json describe these weights?")
     return {"skipped": skipped}
 
 
