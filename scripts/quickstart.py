@@ -17,34 +17,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def synthetic_packed_row(cfg_json: dict, doc_lens=(40, 56, 32), seed: int = 0):
-    """A packed row of documents; the first one holds one image (placeholders between begin/end tokens)."""
+    """A packed row of documents (the first with one image when the model has a vision tower) and per-document
+    shifted labels (the last token of each document predicts nothing)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    vocab = cfg_json["text_config"]["vocab_size"]
-    reserved = {cfg_json[k] for k in ("image_token_id", "video_token_id", "image_start_token_id",
-                                      "image_end_token_id", "video_start_token_id", "video_end_token_id")}
-    docs = []
-    for n in doc_lens:
-        d = torch.randint(1, vocab, (n,), generator=g)
-        for r in reserved:
-            d[d == r] = 1
-        docs.append(d)
-    batch = {}
-    if "vision_config" in cfg_json:
-        v = cfg_json["vision_config"]
-        grid = torch.tensor([[1, 4, 4]])
-        n_img = int(grid.prod()) // v["spatial_merge_size"] ** 2
-        docs[0][2] = cfg_json["image_start_token_id"]
-        docs[0][3:3 + n_img] = cfg_json["image_token_id"]
-        docs[0][3 + n_img] = cfg_json["image_end_token_id"]
-        batch["pixel_values"] = torch.randn(int(grid.prod()), 3 * v["temporal_patch_size"] * v["patch_size"] ** 2,
-                                            generator=g)
-        batch["image_grid_thw"] = grid
-    ids = torch.cat(docs)[None]
-    cu = torch.tensor([0] + [sum(doc_lens[:i + 1]) for i in range(len(doc_lens))], dtype=torch.int32)
-    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None]  # per-document shift
-    batch.update(input_ids=ids, cu_seqlens=cu, labels=labels)
+    from megatron_glm5.data.synthetic import cu_seqlens_of, packed_documents
+
+    docs, pv, grid = packed_documents(cfg_json, doc_lens, image_doc=0 if "vision_config" in cfg_json else None,
+                                      seed=seed)
+    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None]
+    batch = dict(input_ids=torch.cat(docs)[None], cu_seqlens=cu_seqlens_of(doc_lens), labels=labels)
+    if pv is not None:
+        batch.update(pixel_values=pv, image_grid_thw=grid)
     return batch
 
 

@@ -36,26 +36,9 @@ def _hf_model(path):
 
 def make_inputs(cfg_json, seed=0):
     """One packed row: 3 documents; the second holds <begin_image> <image>*k <end_image>."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = cfg_json["text_config"]["vocab_size"]
-    image_token = cfg_json["image_token_id"]
-    special = {image_token, cfg_json["video_token_id"], cfg_json["image_start_token_id"],
-               cfg_json["image_end_token_id"], cfg_json["video_start_token_id"], cfg_json["video_end_token_id"]}
-    docs = []
-    for n in DOC_LENS:
-        ids = torch.randint(1, vocab, (n,), generator=g)
-        for s in special:
-            ids[ids == s] = 7
-        docs.append(ids)
-    v = cfg_json["vision_config"]
-    grid = torch.tensor([[1, 4, 6]])
-    n_img = int(grid.prod()) // v["spatial_merge_size"] ** 2
-    start = 5
-    docs[1][start] = cfg_json["image_start_token_id"]
-    docs[1][start + 1:start + 1 + n_img] = image_token
-    docs[1][start + 1 + n_img] = cfg_json["image_end_token_id"]
-    pixel_values = torch.randn(int(grid.prod()), 3 * v["temporal_patch_size"] * v["patch_size"] ** 2, generator=g)
-    return docs, pixel_values, grid
+    from megatron_glm5.data.synthetic import packed_documents
+
+    return packed_documents(cfg_json, DOC_LENS, image_doc=1, grid_thw=(1, 4, 6), image_at=5, seed=seed)
 
 
 def hf_doc_forward(hf, docs, pixel_values, grid, image_doc=1):
