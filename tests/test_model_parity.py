@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+from megatron_glm5.data.synthetic import cu_seqlens_of
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 DOC_LENS = (23, 37, 30)  # document 1 carries the image
@@ -91,7 +93,7 @@ def test_logits_and_grads_match_transformers(tiny_ckpt, mcore):
     assert cfg.index_topk < max(DOC_LENS), "the indexer must really drop positions"
 
     ids = torch.cat(docs)[None]
-    cu = torch.tensor([0] + list(torch.tensor(DOC_LENS).cumsum(0)), dtype=torch.int32)
+    cu = cu_seqlens_of(DOC_LENS)
     psp = make_packed_seq_params(cu)
 
     # ---- logits (the timed pass is the second one: the first pays one-off lazy initialisation)
@@ -148,7 +150,7 @@ def test_hf_forward_tool_matches_transformers(tiny_ckpt, tmp_path, mcore):
     cfg_json = json.load(open(os.path.join(tiny_ckpt, "config.json")))
     docs, pv, grid = make_inputs(cfg_json, seed=1)
     ids = torch.cat(docs)[None]
-    cu = torch.tensor([0] + list(torch.tensor(DOC_LENS).cumsum(0)), dtype=torch.int32)
+    cu = cu_seqlens_of(DOC_LENS)
     inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save({"input_ids": ids, "pixel_values": pv, "image_grid_thw": grid, "cu_seqlens": cu}, inp)
     assert hf_forward.main(["--hf-dir", tiny_ckpt, "--input", str(inp), "--output", str(out)]) == 0

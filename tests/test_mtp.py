@@ -5,6 +5,8 @@ import sys
 
 import pytest
 import torch
+
+from megatron_glm5.data.synthetic import cu_seqlens_of
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
@@ -26,7 +28,7 @@ def _batch(vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     docs = [torch.randint(1, 240, (n,), generator=g) for n in DOCS]
     labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None]
-    cu = torch.tensor([0] + list(torch.tensor(DOCS).cumsum(0)), dtype=torch.int32)
+    cu = cu_seqlens_of(DOCS)
     return torch.cat(docs)[None], labels, cu
 
 

@@ -38,7 +38,7 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
-from megatron_glm5.models.norms import param_device
+from megatron_glm5.models.norms import linear_output, param_device
 from megatron_glm5.config import Glm5Config
 from megatron_glm5.models.packing import document_starts, row_cu_seqlens
 
@@ -361,10 +361,6 @@ class KimiDeltaAttentionSubmodules:
     o_proj: Union[ModuleSpec, type] = RowParallelLinear
 
 
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
 class KimiDeltaAttention(MegatronModule):
     """Kimi Delta Attention: ``[s, b, h] -> [s, b, h]`` (HF ``Glm5NextTextLinearAttention``).
 
@@ -495,7 +491,7 @@ class KimiDeltaAttention(MegatronModule):
         if self.sequence_parallel:
             w = copy_to_tensor_model_parallel_region(module.weight, group=self.tp_group)
             return F.linear(x, w)
-        return _first(module(x))
+        return linear_output(module(x))
 
     def _forget_gate(self, f: torch.Tensor) -> torch.Tensor:
         """``f`` [..., H_local * D] -> log decay ``g`` [..., H_local, D] (fp32)."""
@@ -511,9 +507,9 @@ class KimiDeltaAttention(MegatronModule):
         None)``. ``packed_seq_params.cu_seqlens_q`` (``b = 1``) marks document boundaries; ``attention_mask`` is
         ignored (the mixer is causal by construction)."""
         x = hidden_states
-        q = _first(self.q_proj(x))  # [s, b, H_l * D]
-        k = _first(self.k_proj(x))
-        v = _first(self.v_proj(x))
+        q = linear_output(self.q_proj(x))  # [s, b, H_l * D]
+        k = linear_output(self.k_proj(x))
+        v = linear_output(self.v_proj(x))
         s, b = q.shape[:2]
         cu = None
         if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None:
@@ -527,14 +523,14 @@ class KimiDeltaAttention(MegatronModule):
             return y.view(b, s, self.num_heads_local, self.head_dim)
 
         q, k, v = conv(q, self.q_conv1d), conv(k, self.k_conv1d), conv(v, self.v_conv1d)
-        g = self._forget_gate(_first(self.f_b_proj(self._replicated_linear(self.f_a_proj, x)))).transpose(0, 1)
-        beta = torch.sigmoid(_first(self.b_proj(x))).transpose(0, 1)  # [b, s, H_l]
+        g = self._forget_gate(linear_output(self.f_b_proj(self._replicated_linear(self.f_a_proj, x)))).transpose(0, 1)
+        beta = torch.sigmoid(linear_output(self.b_proj(x))).transpose(0, 1)  # [b, s, H_l]
 
         core = chunk_kda_fla if self.backend == "fla" else chunk_kda_torch
         o = core(q, k, v, g, beta, scale=self.head_dim ** -0.5, cu_seqlens=cu, chunk_size=self.chunk_size,
                  use_qk_l2norm=True)  # [b, s, H_l, D]
 
-        gate = _first(self.g_b_proj(self._replicated_linear(self.g_a_proj, x)))
+        gate = linear_output(self.g_b_proj(self._replicated_linear(self.g_a_proj, x)))
         gate = gate.view(s, b, self.num_heads_local, self.head_dim)
         w = self.o_norm.weight
         if self.tp_size > 1:  # each rank normalises its own heads: sum the norm weight's gradient over TP

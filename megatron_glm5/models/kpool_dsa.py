@@ -48,7 +48,7 @@ from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
 from megatron_glm5.models.kpool_indexer import KPoolIndexer, ReplicatedLinear
-from megatron_glm5.models.norms import RMSNorm
+from megatron_glm5.models.norms import RMSNorm, linear_output
 
 __all__ = [
     "RMSNorm",
@@ -90,11 +90,6 @@ def get_dsa_module_spec() -> ModuleSpec:
             indexer=KPoolIndexer,
         ),
     )
-
-
-def _out(y):
-    """Output tensor of a linear (megatron linears return ``(output, bias)``)."""
-    return y[0] if isinstance(y, tuple) else y
 
 
 # ---------------------------------------------------------------------------- attention kernels
@@ -271,7 +266,7 @@ class Glm5DSAttention(MegatronModule):
         """'torch' backend: expand K/V with ``kv_b_proj`` and run masked dense SDPA. ``q [s, b, Hl, dq]``,
         ``kv_lat [s, b, r]`` -> ``[s, b, Hl, dv]``."""
         s, b = kv_lat.shape[:2]
-        kv = _out(self.kv_b_proj(kv_lat)).view(s, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
+        kv = linear_output(self.kv_b_proj(kv_lat)).view(s, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
         k, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
         out = dense_topk_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), topk_indices,
                                    self.softmax_scale)
@@ -306,9 +301,9 @@ class Glm5DSAttention(MegatronModule):
             'shared' layer can reuse it.
         """
         s, b, _ = hidden_states.shape
-        q_resid = self.q_a_layernorm(_out(self.q_a_proj(hidden_states)))                 # [s, b, q_lora]
-        q = _out(self.q_b_proj(q_resid)).view(s, b, self.num_heads_local, self.qk_head_dim)
-        kv_lat = self.kv_a_layernorm(_out(self.kv_a_proj_with_mqa(hidden_states)))       # [s, b, r]
+        q_resid = self.q_a_layernorm(linear_output(self.q_a_proj(hidden_states)))                 # [s, b, q_lora]
+        q = linear_output(self.q_b_proj(q_resid)).view(s, b, self.num_heads_local, self.qk_head_dim)
+        kv_lat = self.kv_a_layernorm(linear_output(self.kv_a_proj_with_mqa(hidden_states)))       # [s, b, r]
 
         if self.indexer is not None:
             topk_indices = self.indexer(hidden_states, q_resid, packed_seq_params=packed_seq_params)
@@ -325,7 +320,7 @@ class Glm5DSAttention(MegatronModule):
         else:
             raise ValueError(f"unknown dsa_backend {self.backend!r}")
         out = out.reshape(s, b, self.num_heads_local * self.v_head_dim)
-        output = _out(self.o_proj(out))
+        output = linear_output(self.o_proj(out))
         return output, topk_indices
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):

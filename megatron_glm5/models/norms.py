@@ -9,6 +9,11 @@ import torch
 from torch import nn
 
 
+def linear_output(y):
+    """The output tensor of a linear (megatron's parallel linears return ``(output, bias)``, torch's a tensor)."""
+    return y[0] if isinstance(y, tuple) else y
+
+
 def param_device(config):
     """Where megatron-style modules allocate parameters: the current CUDA device, or ``None`` (torch's default
     device, the CPU unless a ``with torch.device(...)`` context, e.g. ``"meta"``, says otherwise) with
