@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_glm5.data.synthetic import cu_seqlens_of
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
