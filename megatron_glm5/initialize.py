@@ -10,10 +10,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a torch.distributed rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_free_port = free_port  # the name other modules used before it became public
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
@@ -30,7 +34,7 @@ def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -51,3 +55,21 @@ def destroy_megatron() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def ensure_initialized(require_tp1: bool = False, who: str = "this tool") -> None:
+    """Initialise a 1-process megatron parallel state (TP=PP=EP=CP=1) unless one exists.
+
+    ``require_tp1``: refuse an existing state whose TP/PP/EP/CP sizes are not all 1 (tools that build the whole
+    model on the meta device; the world may hold several data-parallel writer processes)."""
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_megatron()
+        return
+    if require_tp1:
+        sizes = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_expert_model_parallel_world_size(),
+                 parallel_state.get_context_parallel_world_size())
+        if sizes != (1, 1, 1, 1):
+            raise RuntimeError(f"{who} needs megatron parallel state TP=PP=EP=CP=1, found TP/PP/EP/CP {sizes}; "
+                               "run it in its own process")
