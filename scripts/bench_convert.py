@@ -25,7 +25,6 @@ import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def bench_hf_config(n_experts: int, num_layers: int = 8) -> dict:

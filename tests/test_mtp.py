@@ -9,14 +9,13 @@ import torch.nn.functional as F
 
 from megatron_glm5.data.synthetic import cu_seqlens_of
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 DOCS = (21, 34, 17)
 
 
 @pytest.fixture(scope="module")
 def mtp_ckpt(tmp_path_factory):
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     from megatron_glm5.config import tiny_hf_config
 

@@ -57,8 +57,7 @@ def check_output_path(out: str, inputs: Sequence[str] = (), overwrite: bool = Fa
     """Refuse an output that would destroy an input or existing data; returns the absolute ``out``.
 
     ``inputs``: files or directories the run reads. ``out`` may not equal one, contain one (replacing ``out``
-    would delete it) or lie inside one (writing would change it). An existing ``out`` needs ``overwrite`` (an
-    empty directory does not)."""
+    would delete it) or lie inside one (writing would change it). An existing ``out`` needs ``overwrite``."""
     if not out:
         raise OutputDirError(f"{flag} is empty")
     ro = _real(out)
@@ -77,8 +76,7 @@ def check_output_path(out: str, inputs: Sequence[str] = (), overwrite: bool = Fa
             raise OutputDirError(f"{flag} {out} exists and is not a directory")
         if not is_dir and os.path.isdir(out):
             raise OutputDirError(f"{flag} {out} is a directory")
-        empty_dir = is_dir and os.path.isdir(out) and not os.listdir(out)
-        if not overwrite and not empty_dir:
+        if not overwrite:
             raise OutputDirError(f"{flag} {out} already exists (pass --overwrite to replace it once the new one is "
                                  "complete)")
     return os.path.abspath(out)

@@ -89,6 +89,7 @@ def _writer_cls():
                              overwrite=True)
             self.final_id = checkpoint_id
             self.digests: Dict[str, str] = {}
+            self._abort = threading.Event()  # set by the first failing thread: the others stop at their next item
 
         def _write_one_file(self, planner, file_name, storage_key, write_items, results):
             with self.fs.create_stream(file_name, "wb") as raw:
@@ -97,6 +98,8 @@ def _writer_cls():
                     results.append(_write_item(self.transforms, stream, planner.resolve_data(item), item,
                                                storage_key, self.serialization_format))
                 for item in [w for w in write_items if w.type != WriteItemType.BYTE_IO]:
+                    if self._abort.is_set():
+                        return
                     t = planner.resolve_data(item).detach().cpu()
                     if t.untyped_storage().size() != t.nbytes:  # a view: save only its own bytes
                         t = t.clone()
@@ -113,7 +116,7 @@ def _writer_cls():
             results, errors = [], []
 
             def work():
-                while not errors:
+                while not self._abort.is_set():
                     try:
                         job = file_queue.get_nowait()
                     except queue_mod.Empty:
@@ -122,6 +125,7 @@ def _writer_cls():
                         self._write_one_file(planner, *job, results)
                     except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
                         errors.append(e)
+                        self._abort.set()
 
             threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, self.thread_count) - 1)]
             for th in threads:

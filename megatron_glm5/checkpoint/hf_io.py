@@ -219,8 +219,8 @@ def mtp_notice(hf_dir: str, cfg, reader: HFCheckpointReader) -> Optional[str]:
 
 def _worst(t: torch.Tensor) -> str:
     f = t.float()
-    bad = f[~torch.isfinite(f) | (f <= 0)]
-    return f"{bad.numel()} values such as {bad[0].item()}" if bad.numel() else "none"
+    nonfinite, nonpos = int((~torch.isfinite(f)).sum()), int((f <= 0).sum())
+    return ", ".join(p for p in (f"{nonfinite} NaN/inf" if nonfinite else "", f"{nonpos} <= 0" if nonpos else "") if p)
 
 
 def _tp_slice(full: torch.Tensor, param: torch.nn.Parameter, parts: int) -> torch.Tensor:
