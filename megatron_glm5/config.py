@@ -336,6 +336,8 @@ class Glm5Config(MLATransformerConfig):
         )
         if self.mtp_num_layers:
             text["num_nextn_predict_layers"] = self.mtp_num_layers
+        else:  # e.g. built without MTP from a checkpoint that holds no MTP weights
+            text.pop("num_nextn_predict_layers", None)
         text.pop("linear_attn_config", None)
         out = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
                "text_config": text, "tie_word_embeddings": self.tie_word_embeddings,
