@@ -70,7 +70,8 @@ class Glm5VisionConfig:
     def from_hf_dict(cls, d: dict) -> "Glm5VisionConfig":
         rope = d.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
-            raise Glm5ConfigError(f"vision_config.rope_parameters.rope_type: only 'axial' is supported, got {rope.get('rope_type')!r}")
+            raise Glm5ConfigError("vision_config.rope_parameters.rope_type: only 'axial' is supported, got "
+                                  f"{rope.get('rope_type')!r}")
         if d.get("hidden_act", "silu") != "silu":
             raise Glm5ConfigError(f"vision_config.hidden_act: only 'silu' is supported, got {d.get('hidden_act')!r}")
         kw = {}
@@ -319,7 +320,8 @@ class Glm5Config(MLATransformerConfig):
             moe_intermediate_size=self.moe_ffn_hidden_size or text.get("moe_intermediate_size", 2048),
             num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_attention_heads, n_shared_experts=self.n_shared_experts,
-            n_routed_experts=self.num_moe_experts or text.get("n_routed_experts", 288), routed_scaling_factor=self.moe_router_topk_scaling_factor,
+            n_routed_experts=self.num_moe_experts or text.get("n_routed_experts", 288),
+            routed_scaling_factor=self.moe_router_topk_scaling_factor,
             kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank, qk_rope_head_dim=0,
             v_head_dim=self.v_head_dim, qk_nope_head_dim=self.qk_head_dim,
             n_group=self.moe_router_num_groups or 1, topk_group=self.moe_router_group_topk or 1,

@@ -10,7 +10,6 @@ as OOM. The indexer runs as in training (no gradient).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 

@@ -1,7 +1,6 @@
 """HF (BF16) -> tools/convert_hf_to_mcore.py -> tools/convert_mcore_to_hf.py -> HF is bit-exact."""
 
 import os
-import sys
 
 import torch
 from safetensors.torch import load_file

@@ -3,7 +3,6 @@ loads at TP1 equal to the HF checkpoint loaded directly at TP1."""
 
 import os
 import socket
-import sys
 
 import pytest
 import torch

@@ -6,7 +6,6 @@ on its own. fp32, CPU.
 """
 
 import os
-import sys
 import time
 
 import pytest

@@ -1,7 +1,5 @@
 """The MTP layer (checkpoint layer L = num_layers) through megatron-core's MultiTokenPredictionBlock."""
 
-import os
-import sys
 
 import pytest
 import torch

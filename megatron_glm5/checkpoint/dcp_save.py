@@ -21,7 +21,6 @@ import threading
 from collections import defaultdict
 from typing import Callable, Dict, Optional
 
-import torch
 import torch.distributed as dist
 
 from megatron_glm5.checkpoint.checksums import HashingFile
