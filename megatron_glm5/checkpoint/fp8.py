@@ -31,15 +31,57 @@ def _block_sizes(shape, scale_shape, block_size: Optional[Sequence[int]]):
     return bo, bi
 
 
-def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+def dequantize_fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                              block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """weight [out, in] float8_e4m3fn, scale_inv [ceil(out/bo), ceil(in/bi)] fp32 -> [out, in] ``out_dtype``."""
+    """The plain definition: weight [out, in] float8_e4m3fn, scale_inv [ceil(out/bo), ceil(in/bi)] fp32 ->
+    ``(weight.float() * scale expanded to [out, in]).to(out_dtype)``."""
     if weight.dim() != 2 or scale_inv.dim() != 2:
         raise ValueError(f"FP8 weight and scale must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
     bo, bi = _block_sizes(weight.shape, scale_inv.shape, block_size)
     rows, cols = weight.shape
     scale = scale_inv.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
     return (weight.float() * scale).to(out_dtype)
+
+
+_TWO_POW_120 = 2.0 ** 120
+_INT32_SIGN = -(2 ** 31)
+
+
+def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                             block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Bitwise equal to :func:`dequantize_fp8_reference`, several times faster on CPU (torch converts fp8 to float
+    one element at a time): every e4m3 code ``s eeee mmm`` placed in the fp32 bit pattern ``s 0000eeee mmm0...``
+    is exactly ``value * 2^-120`` (subnormals included), so ``value * scale`` is that float times ``scale * 2^120``:
+    three integer passes and one multiply per element, a block row (``bo`` rows) at a time so it stays in cache.
+    NaN codes give NaN, as in the reference."""
+    if weight.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(f"FP8 weight and scale must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
+    bo, bi = _block_sizes(weight.shape, scale_inv.shape, block_size)
+    rows, cols = weight.shape
+    scale = scale_inv.float()
+    if weight.dtype != FP8_DTYPE or rows * cols == 0 or not float(scale.abs().max()) < 2.0 ** 7:
+        return dequantize_fp8_reference(weight, scale_inv, out_dtype, block_size)  # (scale * 2^120 would overflow)
+    out = torch.empty(rows, cols, dtype=out_dtype)
+    codes = weight.view(torch.uint8)
+    col_scale = (scale * _TWO_POW_120).repeat_interleave(bi, 1)[:, :cols]  # [gr, cols]
+    for g, r0 in enumerate(range(0, rows, bo)):
+        c8 = codes[r0:r0 + bo]
+        magnitude = c8 & 0x7F
+        bits = magnitude.to(torch.int32)
+        bits <<= 20
+        bits |= c8.view(torch.int8).to(torch.int32) & _INT32_SIGN  # sign-extended: bit 31 set for negative codes
+        f = bits.view(torch.float32)
+        f *= col_scale[g]
+        if int(magnitude.max()) == 0x7F:  # NaN codes
+            f.masked_fill_(magnitude == 0x7F, float("nan"))
+        out[r0:r0 + bo].copy_(f)
+    return out
+
+
+def fp8_nan_count(weight: torch.Tensor) -> int:
+    """Number of NaN codes (``s 1111 111``) in a float8_e4m3fn tensor (e4m3fn has no inf)."""
+    magnitude = weight.view(torch.uint8) & 0x7F
+    return int((magnitude == 0x7F).sum()) if magnitude.numel() and int(magnitude.max()) == 0x7F else 0
 
 
 def quantize_fp8_blockwise(weight: torch.Tensor, block_size: Sequence[int] = (128, 128)):

@@ -104,6 +104,7 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
     import torch
     from tqdm import tqdm
 
+    from megatron_glm5.checkpoint.hf_io import all_finite
     from megatron_glm5.checkpoint.mcore_reader import McoreCheckpointReader, batch_by_bytes
 
     if not shard_mb > 0:
@@ -132,7 +133,7 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
                         loaded = reader.load([t.name for t in batch])
                         for t in batch:
                             full = loaded.pop(t.name)
-                            if full.is_floating_point() and not bool(torch.isfinite(full).all()):
+                            if full.is_floating_point() and not all_finite(full):
                                 raise ExportError(f"{reader.load_dir}: {t.name} contains NaN/inf")
                             with torch.no_grad():
                                 for key, tensor in convert_tensor(t, full, fp8, text_cfg):

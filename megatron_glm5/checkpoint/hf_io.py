@@ -21,7 +21,7 @@ import torch
 
 from megatron_glm5.checkpoint.checksums import verify_manifest
 from megatron_glm5.checkpoint.errors import CheckpointError
-from megatron_glm5.checkpoint.fp8 import FP8_DTYPE, dequantize_fp8_blockwise
+from megatron_glm5.checkpoint.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8_blockwise, fp8_nan_count
 from megatron_glm5.checkpoint.hf_keys import canonical_name, hf_to_mcore, is_non_persistent, mcore_to_hf
 from megatron_glm5.checkpoint.safe_load import check_inside
 from megatron_glm5.checkpoint.safetensors_io import DTYPE_NAMES, SafetensorsFile
@@ -73,6 +73,22 @@ def _block_size(cfg_path: str):
         raise CheckpointMismatchError(f"{cfg_path}: quantization_config.weight_block_size must be two positive "
                                       f"integers, got {bs!r}")
     return bs
+
+
+_EXPONENT_MASKS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                   torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/inf in a float tensor, checked on the bit pattern (an all-ones exponent); several times faster on CPU
+    than ``torch.isfinite(t).all()`` for bf16."""
+    if t.numel() == 0:
+        return True
+    if t.dtype not in _EXPONENT_MASKS or not t.is_contiguous():
+        return bool(torch.isfinite(t).all())
+    int_dtype, mask = _EXPONENT_MASKS[t.dtype]
+    e = t.view(int_dtype) & mask
+    return int(e.max()) != mask  # the sign bit is masked off: max is the largest exponent
 
 
 class HFCheckpointReader:
@@ -183,17 +199,22 @@ class HFCheckpointReader:
         t = self.raw(key)
         if t.dtype == FP8_DTYPE:
             scale = self.raw(key + SCALE_SUFFIX)
-            if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            out_dtype = dtype or torch.bfloat16
+            if not all_finite(scale) or not bool((scale > 0).all()):
                 raise CheckpointMismatchError(f"{key + SCALE_SUFFIX}: FP8 scales must be positive and finite "
                                               f"(found {_worst(scale)})")
-            t = dequantize_fp8_blockwise(t, scale, out_dtype=dtype or torch.bfloat16, block_size=self.block_size)
-            if not bool(torch.isfinite(t).all()):
-                raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation")
-            return t
+            nan = fp8_nan_count(t)
+            if nan:
+                raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation ({nan} NaN codes)")
+            if float(scale.max()) * FP8_MAX >= torch.finfo(out_dtype).max:
+                raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation (scale {float(scale.max())} "
+                                              f"overflows {out_dtype})")
+            # e4m3 codes are finite and at most FP8_MAX: with these scales every product is finite
+            return dequantize_fp8_blockwise(t, scale, out_dtype=out_dtype, block_size=self.block_size)
         if t.dtype not in FLOAT_DTYPES:
             raise CheckpointMismatchError(f"{key}: stored as {DTYPE_NAMES[t.dtype]}; a floating-point tensor is "
                                           "expected")
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise CheckpointMismatchError(f"{key}: contains NaN/inf ({DTYPE_NAMES[t.dtype]})")
         return t
 
@@ -218,7 +239,7 @@ def mtp_notice(hf_dir: str, cfg, reader: HFCheckpointReader) -> Optional[str]:
 
 
 def _worst(t: torch.Tensor) -> str:
-    f = t.float()
+    f = t.float()  # (a small scale grid)
     nonfinite, nonpos = int((~torch.isfinite(f)).sum()), int((f <= 0).sum())
     return ", ".join(p for p in (f"{nonfinite} NaN/inf" if nonfinite else "", f"{nonpos} <= 0" if nonpos else "") if p)
 

@@ -126,6 +126,9 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
 
                 bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="convert",
                            dynamic_ncols=True, smoothing=0.1)
+            # the writer threads are the parallelism: torch's intra-op pool on top of them only oversubscribes
+            intra = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // threads))
             try:
                 if workers == 1:
                     stats = save_streaming(model, sources, reader, tmp, on_bytes=bar.update if bar else None,
@@ -138,6 +141,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
                     stats = run_workers(workers, hf_dir, tmp, dtype, bar.update if bar else None, out_dir, mtp,
                                         mtp_init, threads)
             finally:
+                torch.set_num_threads(intra)
                 if bar is not None:
                     bar.close()
         finally:
