@@ -10,14 +10,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface (for a torch.distributed rendezvous)."""
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-_free_port = free_port  # the name other modules used before it became public
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
@@ -34,7 +30,7 @@ def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -73,3 +69,6 @@ def ensure_initialized(require_tp1: bool = False, who: str = "this tool") -> Non
         if sizes != (1, 1, 1, 1):
             raise RuntimeError(f"{who} needs megatron parallel state TP=PP=EP=CP=1, found TP/PP/EP/CP {sizes}; "
                                "run it in its own process")
+
+
+free_port = _free_port  # a free loopback TCP port for a torch.distributed rendezvous (workers, tests)

@@ -51,10 +51,10 @@ def hf_tensor_specs(hf_cfg: dict):
     """[(hf key, shape)] of the checkpoint the model of ``hf_cfg`` expects (meta build, no memory)."""
     import torch
 
-    from megatron_glm5.checkpoint.mcore_writer import build_meta_model, ensure_single_process_megatron, model_sources
+    from megatron_glm5.checkpoint.lazy_sources import model_sources
+    from megatron_glm5.models.builder import build_meta_model
 
-    ensure_single_process_megatron()
-    _, model = build_meta_model(hf_cfg, torch.bfloat16)
+    model = build_meta_model(hf_cfg, torch.bfloat16)
     specs = []
     for s in model_sources(model, torch.bfloat16).values():
         n = len(s.hf_keys)
