@@ -219,14 +219,28 @@ class Glm5Model(MegatronModule):
         return hidden
 
     # ------------------------------------------------------------------ dtype
-    def to_dtype(self, dtype: torch.dtype) -> "Glm5Model":
-        """Cast parameters to ``dtype`` except the fp32 islands (params marked ``keep_fp32``: mHC base/scale,
-        KDA A_log/dt_bias/conv, router weight, indexer ape) and fp32 buffers (router expert bias)."""
-        for module in self.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if not getattr(p, "keep_fp32", False):
-                    p.data = p.data.to(dtype)
+    def _apply(self, fn, recurse=True):
+        """Every cast to a 16-bit float (``.bfloat16()`` — what megatron-core's ``Float16Module`` calls —,
+        ``.half()``, ``.to(dtype)``) leaves the fp32 islands in fp32: parameters marked ``keep_fp32`` (mHC
+        base/scale, KDA A_log/dt_bias/conv, router weight, indexer ape) and the fp32 buffers (router expert bias and
+        token counts). Device moves apply to them as usual."""
+        params = [(p, p.data) for p in self.parameters() if getattr(p, "keep_fp32", False)]
+        buffers = [(m, name, b) for m in self.modules() for name, b in m._buffers.items()
+                   if b is not None and b.dtype == torch.float32]
+        super()._apply(fn, recurse)
+        half = (torch.float16, torch.bfloat16)
+        for p, old in params:
+            if p.dtype in half and old.dtype == torch.float32:
+                p.data = old.to(device=p.device)
+        for m, name, old in buffers:
+            new = m._buffers[name]
+            if new is not None and new.dtype in half:
+                m._buffers[name] = old.to(device=new.device)
         return self
+
+    def to_dtype(self, dtype: torch.dtype) -> "Glm5Model":
+        """Cast to ``dtype``; the fp32 islands stay fp32 (see ``_apply``)."""
+        return self.to(dtype)
 
 
 def mark_fp32_islands(model: torch.nn.Module) -> None:
