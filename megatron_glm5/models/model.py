@@ -22,6 +22,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_token_prediction import (
     MTPLossAutoScaler,
+    MTPLossLoggingHelper,
     MultiTokenPredictionBlock,
     roll_tensor,
 )
@@ -215,7 +216,13 @@ class Glm5Model(MegatronModule):
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
             denom = loss_mask.sum().clamp(min=1)
             self.last_mtp_loss = (mtp_loss / denom).detach()
-            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_loss / denom)
+            if self.training:  # megatron's 'mtp_{depth+1} loss' logging, averaged over data(+context) ranks
+                MTPLossLoggingHelper.save_loss_to_tracker(
+                    self.last_mtp_loss, depth, self.config.mtp_num_layers,
+                    avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            # per-token-loss runs sum over tokens (the step divides by the global token count), as megatron's GPTModel
+            mtp_objective = mtp_loss if self.config.calculate_per_token_loss else mtp_loss / denom
+            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_objective)
         return hidden
 
     # ------------------------------------------------------------------ dtype
