@@ -134,6 +134,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--test-kill-during-save", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=1)
@@ -253,6 +254,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             _require(os.path.isdir(path), "--" + flag.replace("_", "-"), f"no checkpoint directory at {path}")
     if args.save and os.path.exists(args.save):
         _require(os.path.isdir(args.save), "--save", f"{args.save} exists and is not a directory")
+    _check_checkpoints(args)
     _require(args.moe_aux_loss_coeff >= 0, "--moe-aux-loss-coeff", "must be >= 0")
     _require(args.moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate", "must be >= 0")
     if args.mtp_num_layers is not None:
@@ -268,17 +270,46 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                  "required (>= 1) with --recompute-method")
 
 
+def _check_checkpoints(args) -> None:
+    """--load / --pretrained-checkpoint: a readable checkpoint (or none yet, for --load) of this architecture."""
+    from megatron_glm5.training.checkpointing import CheckpointError, check_architecture, resolve_load_dir
+
+    for flag in ("load", "pretrained_checkpoint"):
+        root = getattr(args, flag)
+        if not root:
+            continue
+        name = "--" + flag.replace("_", "-")
+        try:
+            ckpt, _ = resolve_load_dir(root)
+            if ckpt is None and flag == "pretrained_checkpoint":
+                raise CheckpointError(f"no checkpoint in {root}")
+            if ckpt is not None:
+                check_architecture(ckpt, hf_config_dict(args))
+        except CheckpointError as e:
+            raise ArgumentError(name, str(e)) from None
+
+
 def hf_config_dict(args) -> dict:
-    """The HF config.json dict of the architecture the flags name."""
+    """The HF config.json dict of the architecture the flags name (``--num-layers`` keeps a prefix of the layer
+    schedules)."""
     from megatron_glm5.config import glm5_flash_hf_config, tiny_hf_config
 
     if args.model_preset == "glm5-flash":
-        return glm5_flash_hf_config()
-    if args.model_preset == "glm5-tiny":
-        return tiny_hf_config(mtp=True)
-    path = args.hf_config
-    with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as fh:
-        return json.load(fh)
+        hf = glm5_flash_hf_config()
+    elif args.model_preset == "glm5-tiny":
+        hf = tiny_hf_config(mtp=True)
+    else:
+        path = args.hf_config
+        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as fh:
+            hf = json.load(fh)
+    if args.num_layers is not None:
+        text = dict(hf.get("text_config", hf))
+        for key in ("layer_types", "mlp_layer_types", "indexer_types", "index_topk_pattern"):
+            if isinstance(text.get(key), list):
+                text[key] = text[key][:args.num_layers]
+        text["num_hidden_layers"] = args.num_layers
+        hf = {**hf, "text_config": text} if "text_config" in hf else text
+    return hf
 
 
 def model_config_from_args(args, device: str):
@@ -290,14 +321,6 @@ def model_config_from_args(args, device: str):
 
     hf = hf_config_dict(args)
     text = hf.get("text_config", hf)
-    if args.num_layers is not None:
-        text = dict(text)
-        n = args.num_layers
-        for key in ("layer_types", "mlp_layer_types", "indexer_types", "index_topk_pattern"):
-            if isinstance(text.get(key), list):
-                text[key] = text[key][:n]
-        text["num_hidden_layers"] = n
-        hf = {**hf, "text_config": text} if "text_config" in hf else text
     mtp_layers = args.mtp_num_layers
     if mtp_layers is None:
         mtp_layers = int(text.get("num_nextn_predict_layers", 0) or 0)

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import uuid
 from typing import List, Optional, Tuple
 
@@ -197,6 +198,8 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed: dict,
     state = _full_state(model, optimizer, scheduler, iteration, consumed, args,
                         with_optimizer=not args.no_save_optim)
     dist_checkpointing.save(state, tmp, sharded_strategy=("torch_dist", 1))
+    if getattr(args, "test_kill_during_save", None) == iteration:  # tests: die with the save half done
+        os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, CONFIG_FILE), "w") as fh:
