@@ -54,7 +54,8 @@ def _split_matrix(split: str):
     )
 
     try:
-        vec = parse_and_normalize_split(split)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            vec = parse_and_normalize_split(split)
     except (AssertionError, ValueError, ZeroDivisionError):
         vec = None
     if vec is None or not np.isfinite(vec).all():
