@@ -120,6 +120,10 @@ def test_preprocess_bad_tokenizer_and_output_dir(corpus, tmp_path, capsys):
                                  str(tmp_path / "no" / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["tokenizer.json"]
+    with pytest.raises(SystemExit) as e:  # argparse errors are one line too
+        preprocess_data.main(["--input", corpus.jsonl])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "required" in err
 
 
 # ------------------------------------------------------------------------------------------------ GPTDataset

@@ -15,7 +15,6 @@ it prints one ``preprocess_data: error: ...`` line, leaves no output behind and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -27,10 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROG = "preprocess_data"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would also print the usage)
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+from megatron_glm5.cli import OneLineArgumentParser, one_line  # noqa: E402
 
 
 class _Encoder:
@@ -148,7 +144,7 @@ def preprocess(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
     p.add_argument("--tokenizer-model", required=True, help="HF tokenizer.json (or a directory holding one)")
@@ -166,7 +162,7 @@ def main(argv=None) -> int:
     try:
         c = preprocess(args)
     except (DataError, OSError) as e:
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(f"{PROG}: wrote {c['documents']} documents ({c['tokens']} tokens, {c['dtype']}"
           + (f", {c['skipped_empty']} empty skipped" if c["skipped_empty"] else "")

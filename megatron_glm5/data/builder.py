@@ -20,6 +20,7 @@ Bad input raises :class:`~megatron_glm5.data.DataError` (one line naming the fla
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from typing import List, Optional, Tuple
 
@@ -136,7 +137,10 @@ def _build_gpt(args, model_config, tokenizer, sizes, mock: bool):
                         matrix[i] = None
         config.split_matrix = matrix
         cls = GPTDataset
-    datasets = BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, config).build()
+    with warnings.catch_warnings():
+        # pad == eod (GLM has no separate pad token): megatron then pads with -1, which is what we want
+        warnings.filterwarnings("ignore", message="The pad token id in the tokenizer collides")
+        datasets = BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, config).build()
     for name, ds in zip(_SPLIT_NAMES, datasets):
         if ds is not None:
             _print_rank0(f"> {'mock ' if mock else ''}{cls.__name__} {name}: {len(ds)} samples of "

@@ -17,6 +17,7 @@ import os
 from collections import OrderedDict
 from typing import Iterable, List, Sequence
 
+from megatron_glm5.cli import one_line
 from megatron_glm5.data import DataError
 
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
@@ -52,7 +53,7 @@ class Glm5Tokenizer:
             self._tok = Tokenizer.from_file(self.path)
         except Exception as e:  # tokenizers raises plain Exception subclasses with multi-line text
             raise DataError(f"--tokenizer-model: {self.path} is not a valid tokenizer.json "
-                            f"({' '.join(str(e).split())})") from None
+                            f"({one_line(e)})") from None
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         found = [t for t in EOD_TOKENS if self._tok.token_to_id(t) is not None]
         if not found:

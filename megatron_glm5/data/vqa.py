@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_glm5.cli import one_line
 from megatron_glm5.data import DataError
 from megatron_glm5.data.pack import assemble_row, first_fit
 
@@ -75,7 +76,7 @@ class ImageRef:
             with Image.open(io.BytesIO(self.read())) as img:
                 return img.size
         except Exception as e:  # PIL raises several types for unreadable data
-            raise DataError(f"{self.name}: unreadable image ({' '.join(str(e).split())})") from None
+            raise DataError(f"{self.name}: unreadable image ({one_line(e)})") from None
 
     def load(self):
         """The decoded PIL image (mode as stored; the image processor converts to RGB)."""
@@ -85,7 +86,7 @@ class ImageRef:
             img = Image.open(io.BytesIO(self.read()))
             img.load()
         except Exception as e:  # PIL raises several types for unreadable data
-            raise DataError(f"{self.name}: unreadable image ({' '.join(str(e).split())})") from None
+            raise DataError(f"{self.name}: unreadable image ({one_line(e)})") from None
         return img
 
 
@@ -151,7 +152,7 @@ def read_webdataset(path: str) -> List[VQARecord]:
     try:
         tf = tarfile.open(path, "r:")
     except (tarfile.TarError, OSError) as e:
-        raise DataError(f"{path}: not a readable tar file ({' '.join(str(e).split())})") from None
+        raise DataError(f"{path}: not a readable tar file ({one_line(e)})") from None
     samples: Dict[str, dict] = {}
     with tf:
         for m in tf:
@@ -164,7 +165,7 @@ def read_webdataset(path: str) -> List[VQARecord]:
                 try:
                     s["json"] = json.loads(tf.extractfile(m).read().decode("utf-8"))
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise DataError(f"{where}: bad JSON in {m.name} ({' '.join(str(e).split())})") from None
+                    raise DataError(f"{where}: bad JSON in {m.name} ({one_line(e)})") from None
             elif ext in IMAGE_EXTENSIONS:
                 if "image" in s:
                     raise DataError(f"{where}: more than one image ({s['image'].name}, {m.name})")
@@ -219,7 +220,7 @@ def build_image_processor(vision_config, preprocessor_config: Optional[str] = No
             with open(preprocessor_config, "r", encoding="utf-8") as f:
                 pre = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            raise DataError(f"{preprocessor_config}: unreadable ({' '.join(str(e).split())})") from None
+            raise DataError(f"{preprocessor_config}: unreadable ({one_line(e)})") from None
         for k, v in sizes.items():
             if k in pre and pre[k] != v:
                 raise DataError(f"{preprocessor_config}: {k}={pre[k]} disagrees with the vision config ({v})")
