@@ -15,6 +15,7 @@ from megatron_glm5.data.tiny_data import make_text_jsonl, make_tiny_tokenizer, t
 from megatron_glm5.data.tokenizer import build_tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import make_tiny_data  # noqa: E402
 import preprocess_data  # noqa: E402
 
 
@@ -199,3 +200,13 @@ def test_builder_errors(corpus, kw, msg):
         build_train_valid_test_datasets(_args(**kw), tiny_config(), corpus.tok)
     with pytest.raises(DataError, match="more than the model's vocab_size"):
         build_train_valid_test_datasets(_args(data_path=[corpus.prefix]), tiny_config(vocab_size=64), corpus.tok)
+
+
+def test_make_tiny_data(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    assert make_tiny_data.main(["--out", str(tmp_path), "--text-docs", "7", "--vqa-docs", "3"]) == 0
+    assert len(IndexedDataset(str(tmp_path / "text_text_document"))) == 7
+    assert len((tmp_path / "vqa" / "vqa.jsonl").read_text().splitlines()) == 3
+    assert len(os.listdir(tmp_path / "vqa" / "images")) == 3 and (tmp_path / "vqa.tar").is_file()
+    assert build_tokenizer(str(tmp_path)).vocab_size <= 200

@@ -102,6 +102,10 @@ def _gpt_config(args, tokenizer, blend):
 
 
 def _build_gpt(args, model_config, tokenizer, sizes, mock: bool):
+    try:  # GPTDataset / BlendedDataset index builders (compiled module shipped in the megatron-core wheel)
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError as e:
+        raise DataError(f"megatron-core's compiled dataset helpers are missing ({e}); see docs/data.md") from None
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     from megatron.core.datasets.indexed_dataset import IndexedDataset
