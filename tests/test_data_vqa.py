@@ -157,12 +157,28 @@ def _write(path, text):
     return str(path)
 
 
+def _tar(path, members):
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
 @pytest.mark.parametrize("make, msg", [
     (lambda d: str(d / "missing.jsonl"), "--data-path: .*missing.jsonl not found"),
-    (lambda d: _write(d / "a.jsonl", '{"image": "x.png", "question": "q", "answer": "a"}\n'), r"a.jsonl:1: image .*x.png not found"),
+    (lambda d: _write(d / "a.jsonl", '{"image": "x.png", "question": "q", "answer": "a"}\n'),
+     r"a.jsonl:1: image .*x.png not found"),
     (lambda d: _write(d / "a.jsonl", '{"question": "q"}\n'), r"a.jsonl:1: missing key 'answer'"),
     (lambda d: _write(d / "a.jsonl", '{"question": "q", "answer": "a"}\n{oops\n'), r"a.jsonl:2: bad JSON"),
     (lambda d: _write(d / "a.tar", "not a tar"), r"a.tar: not a readable tar file"),
+    (lambda d: _tar(d / "b.tar", [("k1.png", b"x")]), r"b.tar:k1: sample has no .json"),
+    (lambda d: _tar(d / "b.tar", [("k1.png", b"not a png"), ("k1.json", b'{"question": "q", "answer": "a"}')]),
+     r"b.tar:k1.png: unreadable image"),
 ])
 def test_vqa_bad_input(vqa, tmp_path, make, msg):
     with pytest.raises(DataError, match=msg) as e:

@@ -266,7 +266,8 @@ class VQADocuments:
             q, a = tok[2 + 2 * k], tok[3 + 2 * k]
             for i in q + a + user + assistant:
                 if i in special or i >= vocab:
-                    what = "an image/video placeholder id" if i in special else f"outside the model vocabulary ({vocab})"
+                    what = ("an image/video placeholder id" if i in special
+                            else f"outside the model vocabulary ({vocab})")
                     raise DataError(f"{r.where}: the text tokenizes to id {i}, {what}: the tokenizer does not fit "
                                     f"the model config")
             n_img = 0
