@@ -22,6 +22,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_token_prediction import (
     MTPLossAutoScaler,
+    MTPLossLoggingHelper,
     MultiTokenPredictionBlock,
     roll_tensor,
 )
@@ -215,18 +216,38 @@ class Glm5Model(MegatronModule):
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
             denom = loss_mask.sum().clamp(min=1)
             self.last_mtp_loss = (mtp_loss / denom).detach()
-            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_loss / denom)
+            if self.training:  # megatron's 'mtp_{depth+1} loss' logging, averaged over data(+context) ranks
+                MTPLossLoggingHelper.save_loss_to_tracker(
+                    self.last_mtp_loss, depth, self.config.mtp_num_layers,
+                    avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            # per-token-loss runs sum over tokens (the step divides by the global token count), as megatron's GPTModel
+            mtp_objective = mtp_loss if self.config.calculate_per_token_loss else mtp_loss / denom
+            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_objective)
         return hidden
 
     # ------------------------------------------------------------------ dtype
-    def to_dtype(self, dtype: torch.dtype) -> "Glm5Model":
-        """Cast parameters to ``dtype`` except the fp32 islands (params marked ``keep_fp32``: mHC base/scale,
-        KDA A_log/dt_bias/conv, router weight, indexer ape) and fp32 buffers (router expert bias)."""
-        for module in self.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if not getattr(p, "keep_fp32", False):
-                    p.data = p.data.to(dtype)
+    def _apply(self, fn, recurse=True):
+        """Every cast to a 16-bit float (``.bfloat16()`` — what megatron-core's ``Float16Module`` calls —,
+        ``.half()``, ``.to(dtype)``) leaves the fp32 islands in fp32: parameters marked ``keep_fp32`` (mHC
+        base/scale, KDA A_log/dt_bias/conv, router weight, indexer ape) and the fp32 buffers (router expert bias and
+        token counts). Device moves apply to them as usual."""
+        params = [(p, p.data) for p in self.parameters() if getattr(p, "keep_fp32", False)]
+        buffers = [(m, name, b) for m in self.modules() for name, b in m._buffers.items()
+                   if b is not None and b.dtype == torch.float32]
+        super()._apply(fn, recurse)
+        half = (torch.float16, torch.bfloat16)
+        for p, old in params:
+            if p.dtype in half and old.dtype == torch.float32:
+                p.data = old.to(device=p.device)
+        for m, name, old in buffers:
+            new = m._buffers[name]
+            if new is not None and new.dtype in half:
+                m._buffers[name] = old.to(device=new.device)
         return self
+
+    def to_dtype(self, dtype: torch.dtype) -> "Glm5Model":
+        """Cast to ``dtype``; the fp32 islands stay fp32 (see ``_apply``)."""
+        return self.to(dtype)
 
 
 def mark_fp32_islands(model: torch.nn.Module) -> None:
