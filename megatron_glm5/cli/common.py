@@ -2,7 +2,7 @@
 exit codes.
 
     def main(argv=None) -> int:
-        args = OneLineParser(prog=PROG, ...).parse_args(argv)
+        args = OneLineArgumentParser(prog=PROG, ...).parse_args(argv)
         return run_cli(PROG, lambda: body(args))
 
 Exit 2 with ``PROG: error: <file or field>: <reason>`` for everything a user can cause (bad checkpoints and
@@ -24,7 +24,7 @@ from megatron_glm5.checkpoint.errors import CheckpointError, one_line
 TRACEBACK_ENV = "MEGATRON_GLM5_TRACEBACK"
 
 
-class OneLineParser(argparse.ArgumentParser):
+class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse would also print the usage)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)

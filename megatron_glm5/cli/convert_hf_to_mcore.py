@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import sys
 
-from megatron_glm5.cli.common import OneLineParser, quiet_library_warnings, run_cli, stderr_line
+from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
 
 PROG = "convert_hf_to_mcore"
 
 
-def parser() -> OneLineParser:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+def parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output torch_dist checkpoint directory (must not exist)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to validate for (default 1)")

@@ -24,13 +24,13 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_glm5.cli.common import OneLineParser, quiet_library_warnings, run_cli, stderr_line
+from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
 
 PROG = "convert_mcore_to_hf"
 
 
-def parser() -> OneLineParser:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+def parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="torch_dist checkpoint directory")
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--hf-config", default=None, help="HF config.json (default: hf_config.json in --load)")

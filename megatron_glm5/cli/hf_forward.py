@@ -18,7 +18,7 @@ import sys
 import time
 
 from megatron_glm5.checkpoint.errors import CheckpointError
-from megatron_glm5.cli.common import OneLineParser, quiet_library_warnings, run_cli, stderr_line
+from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
 
 PROG = "hf_forward"
 INPUT_KEYS = ("input_ids", "pixel_values", "image_grid_thw", "cu_seqlens", "attention_mask")
@@ -114,8 +114,8 @@ def run(hf_dir: str, batch: dict, dtype: str = "fp32", device: str = "cpu", log=
     return logits.float().cpu()
 
 
-def parser() -> OneLineParser:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+def parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--input", required=True, help="torch.save'd dict with input_ids [b, s] (+ optional keys)")
     p.add_argument("--output", required=True, help="where to write {'logits': [b, s, vocab] float32}")

@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-from megatron_glm5.cli.common import OneLineParser, quiet_library_warnings, run_cli, stderr_line
+from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
 
 PROG = "make_tiny_hf_checkpoint"
 
@@ -190,8 +190,8 @@ def _save_sharded(sd, out_dir, shard_mb, save_file):
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
 
 
-def parser() -> OneLineParser:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+def parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--format", choices=["fp8", "bf16", "fp32"], default="fp8")
     p.add_argument("--mtp", action="store_true")
