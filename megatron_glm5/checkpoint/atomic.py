@@ -10,8 +10,9 @@
   ``out`` is refused at once, never silently replaced.
 * The work goes into ``.<name>.tmp-XXXX`` beside ``out`` (same filesystem) and is renamed into place only when the
   body finished; an existing ``out`` (``overwrite``) is moved aside first and deleted only after the new one is
-  in place. Temporaries left by a killed run (``.<name>.tmp-*`` / ``.<name>.old-*``) are recognised by the next run
-  of any tool writing ``out`` (it holds the lock, so nobody else owns them), removed and named in one notice line.
+  in place (:func:`publish_dir`). Temporaries left by a killed run (``.<name>.tmp-*`` / ``.<name>.old-*``) are
+  recognised by the next run of any tool writing ``out`` (it holds the lock, so nobody else owns them), removed
+  and named in one notice line.
 * The published directory and its files get the user's umask permissions (not ``mkdtemp``'s 0700).
 
 :func:`atomic_write_file` does the same for one file (temporary beside it, then ``os.replace``).
@@ -155,6 +156,26 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def publish_dir(tmp: str, out: str) -> None:
+    """Make the finished directory ``tmp`` (a sibling of ``out``, same filesystem) appear as ``out`` in one rename.
+
+    An existing ``out`` is first moved into ``.<name>.old-XXXX`` beside it and deleted only once the new one is in
+    place, so at every moment ``out`` is either the complete old or the complete new directory (a crash in between
+    leaves the old one under ``.old-``, which :func:`remove_stale_temporaries` clears). Directory entries are
+    fsynced. The caller holds :func:`output_lock` (or is the only writer, e.g. rank 0 of a collective save)."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    _fsync_dir(tmp)
+    if os.path.lexists(out):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}{OLD_TAG}", dir=parent)
+        os.replace(out, os.path.join(old, "previous"))
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    _fsync_dir(parent)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: str, inputs: Sequence[str] = (), overwrite: bool = False,
                       log: Optional[Callable[[str], None]] = None, flag: str = "--out") -> Iterator[str]:
@@ -181,17 +202,8 @@ def atomic_output_dir(out: str, inputs: Sequence[str] = (), overwrite: bool = Fa
             tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}{TMP_TAG}", dir=parent)
             os.chmod(tmp, 0o777 & ~_umask())
             yield tmp
-            _fsync_dir(tmp)
-            if os.path.lexists(out):
-                old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}{OLD_TAG}", dir=parent)
-                os.replace(out, os.path.join(old, "previous"))
-                os.replace(tmp, out)
-                tmp = None
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out)
-                tmp = None
-            _fsync_dir(parent)
+            publish_dir(tmp, out)
+            tmp = None
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
