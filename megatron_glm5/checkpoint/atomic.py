@@ -143,7 +143,8 @@ def remove_stale_temporaries(out: str, log: Optional[Callable[[str], None]] = No
     return stale
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory's entries (after creating or renaming files in it); best effort."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -165,7 +166,7 @@ def publish_dir(tmp: str, out: str) -> None:
     fsynced. The caller holds :func:`output_lock` (or is the only writer, e.g. rank 0 of a collective save)."""
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if os.path.lexists(out):
         old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}{OLD_TAG}", dir=parent)
         os.replace(out, os.path.join(old, "previous"))
@@ -173,7 +174,7 @@ def publish_dir(tmp: str, out: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 @contextlib.contextmanager
@@ -232,3 +233,19 @@ def atomic_write_file(path: str, write: Callable[[str], None], inputs: Sequence[
             os.unlink(tmp)
         raise
     return path
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace the small text file ``path`` (a tracker, a manifest) in one rename, fsynced; umask permissions."""
+    tmp = f"{path}{TMP_TAG}{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -85,10 +85,10 @@ def write_manifest(directory: str, known: Optional[Dict[str, str]] = None) -> st
     todo = [os.path.join(directory, n) for n in names if n not in known]
     for path, digest in hash_files(todo).items():
         known[os.path.basename(path)] = digest
+    from megatron_glm5.checkpoint.atomic import write_text_atomic
+
     path = os.path.join(directory, MANIFEST_FILE)
-    with open(path + ".part", "w") as fh:
-        fh.writelines(f"{known[n]}  {n}\n" for n in names)
-    os.replace(path + ".part", path)
+    write_text_atomic(path, "".join(f"{known[n]}  {n}\n" for n in names))
     return path
 
 

@@ -150,3 +150,14 @@ class SafeFileSystemReader(FileSystemReader):
             md.storage_meta.load_id = self.load_id
             self._md = md
         return self._md
+
+
+def check_dist_checkpoint(path: str):
+    """Vet a torch_dist checkpoint directory before megatron-core's ``dist_checkpointing.load`` (which unpickles
+    ``.metadata`` with plain pickle): its ``checksums.sha256`` matches when there is one, and ``.metadata`` holds only
+    DCP metadata classes with storage files inside the directory. Returns the Metadata; raises one CheckpointError
+    line otherwise."""
+    from megatron_glm5.checkpoint.checksums import verify_manifest
+
+    verify_manifest(path)
+    return load_dcp_metadata(path)
