@@ -139,7 +139,7 @@ def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str, threads: 
     import psutil
 
     cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_mcore.py"), "--hf-dir", hf_dir, "--out",
-           out_dir, "--workers", str(workers), "--threads", str(threads), "--dtype", dtype, "--overwrite"]
+           out_dir, "--workers", str(workers), "--threads", str(threads), "--dtype", dtype, "--overwrite", "--no-progress"]
     # the generator initialised torch.distributed in this process; the child must make its own group
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -284,6 +284,17 @@ def test_outputs_get_the_umask_permissions(ck, tmp_path):
                                       for f in os.listdir(ck["mcore"]))
 
 
+def test_remapping_while_writer_threads_read(ck, tmp_path, monkeypatch):
+    """The reader drops its file mappings every few bytes while 3 writer threads read: same checkpoint bytes."""
+    import megatron_glm5.checkpoint.lazy_sources as lazy_sources
+    from megatron.core import dist_checkpointing
+
+    monkeypatch.setattr(lazy_sources, "_REMAP_BYTES", 1)
+    assert _convert(ck["hf"], tmp_path / "out", "--threads", "3") == 0
+    a, b = dist_checkpointing.load_plain_tensors(ck["mcore"]), dist_checkpointing.load_plain_tensors(str(tmp_path / "out"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # --------------------------------------------------------------------------------------------- checksums
 def _flip(path, frac=0.5):
     with open(path, "r+b") as fh:

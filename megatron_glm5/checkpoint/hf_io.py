@@ -178,9 +178,10 @@ class HFCheckpointReader:
 
     def _file(self, key: str) -> SafetensorsFile:
         fname = self.key_to_file[key]
-        f = self._files.get(fname)
+        files = self._files  # (close() swaps the dict; never mutate a dict another thread may be reading)
+        f = files.get(fname)
         if f is None:  # reopened after close()
-            f = self._files[fname] = SafetensorsFile(os.path.join(self.hf_dir, fname))
+            f = files[fname] = SafetensorsFile(os.path.join(self.hf_dir, fname))
         return f
 
     def shape(self, key: str):
@@ -219,10 +220,9 @@ class HFCheckpointReader:
         return t
 
     def close(self):
-        """Drop the file mappings (their pages stop counting as this process's memory); reopened on demand."""
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        """Drop the file mappings (their pages stop counting as this process's memory); reopened on demand.
+        Safe while other threads read: a mapping lives on while a thread or a returned tensor still uses it."""
+        self._files = {}
 
     def has_mtp_weights(self, num_layers: int) -> bool:
         """Whether any key belongs to a layer past the decoder (``layers.{num_layers}.*``: the MTP layer)."""

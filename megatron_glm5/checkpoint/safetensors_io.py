@@ -144,13 +144,17 @@ class SafetensorsFile:
         t = self.tensors[name]
         if t.end == t.begin:
             return torch.empty(t.shape, dtype=t.dtype)
+        mm = self._mm
+        if mm is None:
+            raise SafetensorsError(f"{self.path}: read after close()")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns that the buffer is not resizable/writable
-            flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=t.end - t.begin, offset=t.begin)
+            flat = torch.frombuffer(mm, dtype=torch.uint8, count=t.end - t.begin, offset=t.begin)
         return flat.view(t.dtype).view(t.shape)
 
     def close(self):
-        self._mm = None  # unmapped once the last view is gone
+        """Stop reading; the mapping is unmapped once the last tensor viewing it is gone."""
+        self._mm = None
 
 
 class SafetensorsStreamWriter:
