@@ -45,6 +45,7 @@ def dequantize_fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor, out_
 
 _TWO_POW_120 = 2.0 ** 120
 _INT32_SIGN = -(2 ** 31)
+_CHUNK_ELEMENTS = 1 << 18
 
 
 def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
@@ -64,17 +65,31 @@ def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, out_
     out = torch.empty(rows, cols, dtype=out_dtype)
     codes = weight.view(torch.uint8)
     col_scale = (scale * _TWO_POW_120).repeat_interleave(bi, 1)[:, :cols]  # [gr, cols]
-    for g, r0 in enumerate(range(0, rows, bo)):
-        c8 = codes[r0:r0 + bo]
-        magnitude = c8 & 0x7F
-        bits = magnitude.to(torch.int32)
+    step = bo * max(1, _CHUNK_ELEMENTS // (bo * cols))  # whole block rows, about _CHUNK_ELEMENTS at a time
+    # buffers reused chunk after chunk (fresh large allocations would page-fault on every chunk)
+    n0 = min(step, rows)
+    mag_buf = torch.empty(n0, cols, dtype=torch.uint8)
+    bits_buf = torch.empty(n0, cols, dtype=torch.int32)
+    sign_buf = torch.empty(n0, cols, dtype=torch.int32)
+    for r0 in range(0, rows, step):
+        c8 = codes[r0:r0 + step]
+        n = c8.shape[0]
+        magnitude, bits, sign = mag_buf[:n], bits_buf[:n], sign_buf[:n]
+        torch.bitwise_and(c8, 0x7F, out=magnitude)
+        bits.copy_(magnitude)
         bits <<= 20
-        bits |= c8.view(torch.int8).to(torch.int32) & _INT32_SIGN  # sign-extended: bit 31 set for negative codes
+        sign.copy_(c8.view(torch.int8))  # sign-extended: bit 31 set for negative codes
+        sign &= _INT32_SIGN
+        bits |= sign
         f = bits.view(torch.float32)
-        f *= col_scale[g]
+        g0, nb = r0 // bo, -(-n // bo)
+        if n == nb * bo:
+            f.view(nb, bo, cols).mul_(col_scale[g0:g0 + nb, None, :])
+        else:  # the last, partial block row
+            f.mul_(col_scale[g0].expand(n, cols) if nb == 1 else col_scale[g0:g0 + nb].repeat_interleave(bo, 0)[:n])
         if int(magnitude.max()) == 0x7F:  # NaN codes
             f.masked_fill_(magnitude == 0x7F, float("nan"))
-        out[r0:r0 + bo].copy_(f)
+        out[r0:r0 + n].copy_(f)
     return out
 
 
