@@ -166,6 +166,16 @@ def test_index_shard_paths_outside_the_checkpoint_refused(ck, tmp_path, capfd, w
     assert not (tmp_path / "out").exists()
 
 
+def test_missing_shard_is_one_line(ck, tmp_path, capfd):
+    sd, cfg = _tensors(ck["hf"]), _config(ck["hf"])
+    src = _write_hf(tmp_path / "src", sd, cfg, shards={"a.safetensors": sorted(sd)[3:], "b.safetensors": sorted(sd)[:3]})
+    os.remove(os.path.join(src, "b.safetensors"))
+    capfd.readouterr()
+    assert _convert(src, tmp_path / "out") == 2
+    assert "shard b.safetensors named in the index is missing" in _one_error(capfd, "convert_hf_to_mcore")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
 # --------------------------------------------------------------------------------------------- nothing lost
 @pytest.mark.parametrize("rel", ["equal", "contains", "inside"])
 def test_overwrite_never_deletes_an_input(ck, tmp_path, capfd, rel):
