@@ -63,7 +63,7 @@ def _planner_cls():
                     if self.error is None:
                         self.error = e
                 raise
-            n = t.numel() * t.element_size()
+            n = t.nbytes
             with self._lock:
                 self.bytes_written += n
             if self.on_bytes is not None:

@@ -95,7 +95,7 @@ class LazyTensors:
                                           f"expects {s.shape}")
         with self._lock:
             self.hf_reads += 0 if s.fresh is not None else len(s.hf_keys)
-            self._bytes_since_remap += full.numel() * full.element_size()
+            self._bytes_since_remap += full.nbytes
             if self._bytes_since_remap > _REMAP_BYTES:
                 self.reader.close()  # views already handed out keep their own mapping alive
                 self._bytes_since_remap = 0
@@ -203,7 +203,7 @@ def prepare_sharded_state_dict(model: torch.nn.Module, sources: Dict[str, Tensor
         o = 0 if src is None else owner[src.local]
         sh.replica_id = 0 if o == rank else 1
         if src is not None and o == rank:
-            mine += sh.data.numel() * sh.data.element_size()
+            mine += sh.data.nbytes
     # sanity: nothing left in the state dict that is neither sharded nor common
     for v in nested_values(ssd):
         if isinstance(v, ShardedTensorFactory):

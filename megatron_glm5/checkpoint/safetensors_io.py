@@ -190,7 +190,7 @@ class SafetensorsStreamWriter:
         if flat.numel():
             self._fh.write(flat.view(torch.uint8).numpy().data)
         self._next += 1
-        return flat.numel() * flat.element_size()
+        return flat.nbytes
 
     def close(self):
         if self._next != len(self.specs):
