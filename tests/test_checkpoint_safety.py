@@ -166,6 +166,20 @@ def test_index_shard_paths_outside_the_checkpoint_refused(ck, tmp_path, capfd, w
     assert not (tmp_path / "out").exists()
 
 
+def test_hub_cache_snapshot_links_are_allowed(ck, tmp_path):
+    """A Hugging Face hub cache snapshot links its files into the repository's blobs/: that is not "outside"."""
+    from megatron_glm5.checkpoint.hf_io import HFCheckpointReader
+
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for f in os.listdir(ck["hf"]):
+        shutil.copy(os.path.join(ck["hf"], f), repo / "blobs" / f"blob-{f}")
+        os.symlink(f"../../blobs/blob-{f}", snap / f)
+    assert sorted(HFCheckpointReader(str(snap)).keys()) == sorted(_tensors(ck["hf"]))
+
+
 def test_missing_shard_is_one_line(ck, tmp_path, capfd):
     sd, cfg = _tensors(ck["hf"]), _config(ck["hf"])
     src = _write_hf(tmp_path / "src", sd, cfg, shards={"a.safetensors": sorted(sd)[3:], "b.safetensors": sorted(sd)[:3]})

@@ -23,7 +23,7 @@ from megatron_glm5.checkpoint.checksums import verify_manifest
 from megatron_glm5.checkpoint.errors import CheckpointError
 from megatron_glm5.checkpoint.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8_blockwise, fp8_nan_count
 from megatron_glm5.checkpoint.hf_keys import canonical_name, hf_to_mcore, is_non_persistent, mcore_to_hf
-from megatron_glm5.checkpoint.safe_load import check_inside
+from megatron_glm5.checkpoint.safe_load import check_inside, hub_blobs_dir
 from megatron_glm5.checkpoint.safetensors_io import DTYPE_NAMES, SafetensorsFile
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -116,8 +116,9 @@ class HFCheckpointReader:
         self._files: Dict[str, SafetensorsFile] = {}
         fnames = [SINGLE_FILE] if self.key_to_file is None else sorted(set(self.key_to_file.values()))
         owner: Dict[str, str] = {}
+        blobs = hub_blobs_dir(hf_dir)  # a hub cache snapshot's files are links into its repository's blobs/
         for fname in fnames:
-            path = check_inside(hf_dir, fname, index)
+            path = check_inside(hf_dir, fname, index if self.key_to_file is not None else single, blobs)
             if not os.path.isfile(path):
                 raise CheckpointMismatchError(f"{hf_dir}: shard {fname} named in the index is missing")
             f = self._files[fname] = SafetensorsFile(path)

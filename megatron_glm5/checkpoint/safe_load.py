@@ -108,19 +108,31 @@ def load_dcp_metadata(path: str):
     return md
 
 
-def check_inside(root: str, rel: str, source: str) -> str:
-    """The real path of ``rel`` if it is a relative path that stays inside ``root`` (symlinks resolved);
-    otherwise CheckpointError naming ``source`` (the file that named ``rel``)."""
+def check_inside(root: str, rel: str, source: str, also_inside: Optional[str] = None) -> str:
+    """The real path of ``rel`` if it is a relative path that stays inside ``root`` (symlinks resolved; a link may
+    also point into ``also_inside``); otherwise CheckpointError naming ``source`` (the file that named ``rel``)."""
     if not rel or os.path.isabs(rel) or "\x00" in rel:
         raise CheckpointError(f"{source}: refers to {rel!r}, not a relative path inside {root}")
     parts = rel.replace("\\", "/").split("/")
     if ".." in parts:
         raise CheckpointError(f"{source}: refers to {rel!r}, outside {root}")
-    real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(root, rel))
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise CheckpointError(f"{source}: {rel!r} resolves to {real}, outside {root}")
-    return real
+    for allowed in (root, also_inside):
+        if allowed is not None:
+            real_allowed = os.path.realpath(allowed)
+            if os.path.commonpath([real_allowed, real]) == real_allowed:
+                return real
+    raise CheckpointError(f"{source}: {rel!r} resolves to {real}, outside {root}")
+
+
+def hub_blobs_dir(ckpt_dir: str) -> Optional[str]:
+    """For a Hugging Face hub cache snapshot (``.../models--org--name/snapshots/<rev>``), the repository's
+    ``blobs`` folder its files link into; else None."""
+    d = os.path.abspath(ckpt_dir)
+    if os.path.basename(os.path.dirname(d)) == "snapshots":
+        blobs = os.path.join(os.path.dirname(os.path.dirname(d)), "blobs")
+        return blobs if os.path.isdir(blobs) else None
+    return None
 
 
 def torch_load_weights_only(path: str, what: Optional[str] = None):
