@@ -71,6 +71,7 @@ class LazyTensors:
         self._cache: Dict[str, torch.Tensor] = {}
         self._locks: Dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
+        self._direct: Dict[str, bool] = {}  # fused sources whose factory shards are exactly their HF parts
         self._bytes_since_remap = 0
         self.hf_reads = 0
 
@@ -81,6 +82,8 @@ class LazyTensors:
         self.entries[key] = (source, factory, index)
         self._remaining[source.local] = self._remaining.get(source.local, 0) + 1
         self._locks.setdefault(source.local, threading.Lock())
+        if factory is not None and source.local not in self._direct:
+            self._direct[source.local] = _parts_are_shards(source, factory)
 
     def _read(self, s: TensorSource) -> torch.Tensor:
         if s.fresh is not None:
@@ -110,8 +113,21 @@ class LazyTensors:
                     self._cache[s.local] = full
             return full
 
+    def _part(self, s: TensorSource, index: int) -> torch.Tensor:
+        """HF part ``index`` of a fused source on its own (no [gate; up] concatenation, no copy of a half)."""
+        t = self.reader.get(s.hf_keys[index], dtype=s.dtype).to(s.dtype)
+        with self._lock:
+            self.hf_reads += 1
+            self._bytes_since_remap += t.nbytes
+            if self._bytes_since_remap > _REMAP_BYTES:
+                self.reader.close()
+                self._bytes_since_remap = 0
+        return t
+
     def produce(self, fqn: str, offset: Tuple[int, ...]) -> torch.Tensor:
         source, factory, index = self.entries[(fqn, offset)]
+        if factory is not None and source.fresh is None and self._direct.get(source.local):
+            return self._part(source, index)
         full = self._full(source)
         if factory is None:
             data = full
@@ -127,6 +143,21 @@ class LazyTensors:
             if self._remaining[source.local] == 0:
                 self._cache.pop(source.local, None)
         return data
+
+
+def _parts_are_shards(source: TensorSource, factory) -> bool:
+    """Whether the factory's shard ``i`` is exactly HF part ``i`` of the fused tensor (megatron's SwiGLU factory
+    splits [gate; up] into its two halves), checked on a meta tensor: then each shard is read on its own."""
+    n = len(source.hf_keys)
+    if n < 2 or source.shape[0] % n:
+        return False
+    full = torch.empty(source.shape, dtype=source.dtype, device="meta")
+    built = _as_list(factory.build_fn(factory.key, full, factory.replica_id, factory.flattened_range))
+    part = (source.shape[0] // n, *source.shape[1:])
+    step = full.numel() // n
+    return len(built) == n and all(
+        tuple(b.data.shape) == part and b.data.is_contiguous() and b.data.storage_offset() == i * step
+        for i, b in enumerate(built))
 
 
 def _as_list(built) -> list:
