@@ -605,7 +605,10 @@ def test_checkpoint_without_mtp_weights_converts(ck, tmp_path, capfd):
     with open(tmp_path / "plain" / "hf_config.json") as fh:
         assert "num_nextn_predict_layers" not in json.load(fh)["text_config"]
     # --mtp-init: a fresh MTP layer (megatron's init: norms at 1, projections ~ N(0, initializer_range))
+    capfd.readouterr()
     assert _convert(ck["no_mtp"], tmp_path / "fresh", "--mtp-init") == 0
+    notices = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert len(notices) == 1 and "writing a freshly initialised MTP layer (--mtp-init)" in notices[0], notices
     t = dist_checkpointing.load_plain_tensors(str(tmp_path / "fresh"))
     assert torch.equal(t["mtp.layers.0.enorm.weight"].float(), torch.ones(64))
     eh = t["mtp.layers.0.eh_proj.weight"].float()

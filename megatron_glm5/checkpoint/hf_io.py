@@ -231,11 +231,13 @@ class HFCheckpointReader:
         return any(k.startswith(prefix) for k in self.key_to_file)
 
 
-def mtp_notice(hf_dir: str, cfg, reader: HFCheckpointReader) -> Optional[str]:
-    """The one notice line for a checkpoint whose config declares MTP but which holds no MTP weights."""
+def mtp_notice(hf_dir: str, cfg, reader: HFCheckpointReader, fresh: bool = False) -> Optional[str]:
+    """The one notice line for a checkpoint whose config declares MTP but which holds no MTP weights (what
+    transformers' ``save_pretrained`` writes): the model goes without MTP, or (``fresh``) with a new MTP layer."""
     if cfg.mtp_num_layers and not reader.has_mtp_weights(cfg.num_layers):
+        what = ("writing a freshly initialised MTP layer (--mtp-init)" if fresh else "using the model without MTP")
         return (f"notice: {hf_dir} holds no MTP weights although config.json sets num_nextn_predict_layers = "
-                f"{cfg.mtp_num_layers} (as transformers' save_pretrained writes); using the model without MTP")
+                f"{cfg.mtp_num_layers} (as transformers' save_pretrained writes); {what}")
     return None
 
 

@@ -112,10 +112,9 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
         try:
             cfg0 = Glm5Config.from_hf(hf_dir)
             mtp = mtp_plan(cfg0, reader, mtp_init)
-            notice = mtp_notice(hf_dir, cfg0, reader)
+            notice = mtp_notice(hf_dir, cfg0, reader, fresh=mtp_init)
             if notice and log is not None:
-                log(notice + (" (pass --mtp-init to start a fresh MTP layer for training)" if not mtp else
-                              "; --mtp-init: a freshly initialised MTP layer is written"))
+                log(notice + ("" if mtp_init else " (pass --mtp-init to start a fresh MTP layer for training)"))
             cfg, model, sources = conversion_sources(hf_dir, torch_dtype, mtp, mtp_init)
             report = validate_hf_checkpoint(hf_dir, reader, model, {k: s for k, s in sources.items()
                                                                     if s.fresh is None})
