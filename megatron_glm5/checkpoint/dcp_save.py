@@ -11,6 +11,9 @@ strategy) and saves them with torch DCP, using megatron's ``MCoreSavePlanner`` (
   conversion and writing overlap and peak memory stays a few tensors. (megatron's async FileSystemWriterAsync
   stages every tensor in memory first; torch's FileSystemWriter keeps every written tensor of a file.)
 * each file's SHA-256 is computed while it is written (for the checksum manifest).
+
+Only megatron-core's public API is used. The records are written with torch's ``filesystem._write_item`` (the one
+non-public call: it is the record format of torch's own FileSystemWriter, so the files stay byte-compatible).
 """
 
 from __future__ import annotations
