@@ -295,6 +295,20 @@ def test_sigkill_then_rerun(ck, tmp_path, capfd):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_killed_between_the_two_renames_puts_the_previous_output_back(tmp_path, capfd):
+    """publish_dir moves an existing --out aside, then renames the new one in: a run killed in between leaves no
+    --out; the next writer puts the previous one back (and, without --overwrite, then refuses to replace it)."""
+    out = tmp_path / "out"
+    (tmp_path / ".out.old-x1" / "previous").mkdir(parents=True)
+    (tmp_path / ".out.old-x1" / "previous" / "weights").write_text("previous")
+    (tmp_path / ".out.tmp-x2").mkdir()
+    capfd.readouterr()
+    assert tiny_cli.main(["--out", str(out), "--layers", "2", "--no-vision"]) == 2
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 2 and "put the previous" in err[0] and "already exists" in err[1], err
+    assert (out / "weights").read_text() == "previous" and sorted(os.listdir(tmp_path)) == ["out"]
+
+
 def test_outputs_get_the_umask_permissions(ck, tmp_path):
     old = os.umask(0o027)
     try:

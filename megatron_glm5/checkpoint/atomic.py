@@ -12,7 +12,7 @@
   body finished; an existing ``out`` (``overwrite``) is moved aside first and deleted only after the new one is
   in place (:func:`publish_dir`). Temporaries left by a killed run (``.<name>.tmp-*`` / ``.<name>.old-*``) are
   recognised by the next run of any tool writing ``out`` (it holds the lock, so nobody else owns them), removed
-  and named in one notice line.
+  and named in one notice line; a previous ``out`` moved aside by a run killed between its two renames is put back.
 * The published directory and its files get the user's umask permissions (not ``mkdtemp``'s 0700).
 
 :func:`atomic_write_file` does the same for one file (temporary beside it, then ``os.replace``).
@@ -130,16 +130,26 @@ def stale_temporaries(out: str) -> list:
 
 
 def remove_stale_temporaries(out: str, log: Optional[Callable[[str], None]] = None) -> list:
-    """Remove :func:`stale_temporaries`; one notice line through ``log`` names them. Returns what was removed."""
+    """Clear what a killed writer of ``out`` left (call while holding :func:`output_lock`): its ``.tmp-`` folders
+    are removed; a previous ``out`` that :func:`publish_dir` had moved aside (``.old-*/previous``) is put back when
+    ``out`` itself is missing (the run died between the two renames), else removed. One notice line through ``log``
+    names what was done. Returns the temporaries that were there."""
+    out = os.path.abspath(out)
     stale = stale_temporaries(out)
+    restored = None
     for p in stale:
+        previous = os.path.join(p, "previous")
+        if OLD_TAG in os.path.basename(p) and not os.path.lexists(out) and os.path.lexists(previous):
+            os.replace(previous, out)
+            restored = p
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)
         else:
             os.unlink(p)
     if stale and log is not None:
         log(f"notice: removed {len(stale)} temporary folder(s) left by an interrupted run: "
-            f"{', '.join(os.path.basename(p) for p in stale)}")
+            f"{', '.join(os.path.basename(p) for p in stale)}"
+            + (f"; put the previous {out} back from {os.path.basename(restored)}" if restored else ""))
     return stale
 
 
