@@ -20,14 +20,16 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.multi_token_prediction import (
-    MTPLossAutoScaler,
-    MultiTokenPredictionBlock,
-    roll_tensor,
-)
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MultiTokenPredictionBlock
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_glm5.config import INDEXED_ATTENTION, Glm5Config
+from megatron_glm5.models.context_parallel import (
+    cp_all_reduce,
+    cp_token_mean,
+    local_image_features,
+    roll_left_in_documents,
+)
 from megatron_glm5.models.layer_specs import get_layer_spec, get_mtp_block_spec, get_stage_layer_range
 from megatron_glm5.models.mhc import contract_streams, expand_streams
 from megatron_glm5.models.norms import RMSNorm
@@ -134,8 +136,10 @@ class Glm5Model(MegatronModule):
         self.decoder.set_input_tensor(input_tensor)
 
     # ------------------------------------------------------------------ pieces
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
-        """input_ids [b, s] -> embeddings [s, b, h] with image features spliced in."""
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None,
+              packed_seq_params=None) -> torch.Tensor:
+        """input_ids [b, s] -> embeddings [s, b, h] with image features spliced in. Under context parallelism every
+        rank runs the vision tower on all images of its row and splices the features of its chunk's image tokens."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is not None:
             if self.vision_model is None:
@@ -143,6 +147,7 @@ class Glm5Model(MegatronModule):
             from megatron_glm5.models.vision import splice_image_features
 
             feats = self.vision_model(pixel_values, image_grid_thw)
+            feats = local_image_features(feats, input_ids, packed_seq_params, self.config)
             emb = splice_image_features(input_ids, emb.transpose(0, 1), feats.to(emb.dtype),
                                         self.config).transpose(0, 1).contiguous()
         return emb
@@ -167,7 +172,8 @@ class Glm5Model(MegatronModule):
         loss [b, s] with labels; on a non-last PP stage the streams [s, b, n*h].
         """
         if self.pre_process:
-            hidden = expand_streams(self.embed(input_ids, pixel_values, image_grid_thw), self.hc_mult)
+            hidden = expand_streams(self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params),
+                                    self.hc_mult)
         else:
             hidden = self.decoder.input_tensor
         hidden = self.decoder(hidden, packed_seq_params=packed_seq_params)
@@ -204,18 +210,21 @@ class Glm5Model(MegatronModule):
         if loss_mask is None:
             loss_mask = (labels != -100).float() if labels.dtype != torch.bool else labels.float()
         cp_group = parallel_state.get_context_parallel_group()
+        cp_size = parallel_state.get_context_parallel_world_size()
         mtp_labels = labels
         for depth in range(self.config.mtp_num_layers):
-            mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp_group,
-                                        packed_seq_params=packed_seq_params)
-            loss_mask, num_tokens = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
-                                                packed_seq_params=packed_seq_params)
+            # contiguous CP chunks: the shifted labels cross chunk edges (models/context_parallel.py)
+            mtp_labels = roll_left_in_documents(mtp_labels, packed_seq_params, cp_group)
+            loss_mask = roll_left_in_documents(loss_mask, packed_seq_params, cp_group)
             mtp_loss = self._token_loss(self.output_logits(chunks[depth + 1]), mtp_labels.clamp(min=0))
-            mtp_loss = (mtp_loss * loss_mask).sum()
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
-            denom = loss_mask.sum().clamp(min=1)
-            self.last_mtp_loss = (mtp_loss / denom).detach()
-            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_loss / denom)
+            share = cp_token_mean(mtp_loss, loss_mask, cp_group)  # this chunk's share of the row's MTP mean
+            self.last_mtp_loss = cp_all_reduce(share, cp_group)
+            if self.config.calculate_per_token_loss:  # megatron: the summed loss, normalised after the grad reduce
+                attached = (mtp_loss * loss_mask).sum()
+            else:  # DDP averages gradients over DP x CP: each CP rank carries cp x its share (megatron #3959)
+                attached = share * cp_size
+            hidden = MTPLossAutoScaler.apply(hidden, scale * attached)
         return hidden
 
     # ------------------------------------------------------------------ dtype
