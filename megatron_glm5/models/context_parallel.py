@@ -49,6 +49,7 @@ __all__ = [
     "gather_sequence",
     "cp_all_reduce",
     "cp_token_mean",
+    "mtp_loss_terms",
     "roll_left_in_documents",
     "local_image_features",
 ]
@@ -186,9 +187,36 @@ def cp_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 def cp_token_mean(values: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
     """This rank's share of the mean of ``values`` over the masked tokens of the whole row:
     ``sum_local(values * mask) / sum_over_CP_ranks(mask)``. Summed over the CP ranks it is the row's mean; an empty
-    mask everywhere gives 0, never NaN. Differentiable in ``values``."""
+    mask everywhere gives 0, never NaN. Differentiable in ``values``.
+
+    The LM loss under CP, exactly as on one rank: a megatron ``loss_func`` returns ``(cp_token_mean(loss, mask,
+    cp_group), {...})`` (the 2-tuple form: the schedule multiplies by ``cp`` and DDP averages over DP x CP), or,
+    with ``calculate_per_token_loss``, ``(sum(loss * mask), mask.sum(), {...})`` (summed, normalised after the
+    gradient reduction by the global token count)."""
     count = cp_all_reduce(mask.float().sum(), group).clamp(min=1)
     return (values.float() * mask.float()).sum() / count
+
+
+def mtp_loss_terms(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, group, per_token_loss_mode: bool):
+    """One MTP depth's loss under (contiguous) context parallelism.
+
+    Args:
+        per_token_loss: ``[b, s]`` this chunk's MTP cross entropy (already shifted); loss_mask: ``[b, s]``.
+        group: the CP group; per_token_loss_mode: ``config.calculate_per_token_loss``.
+
+    Returns:
+        ``(mean, attached)``: ``mean`` the row's MTP loss (detached, same on every CP rank: for logging);
+        ``attached`` what this rank hands to ``MTPLossAutoScaler`` (times the MTP scaling factor). With
+        ``calculate_per_token_loss`` that is the local sum (megatron normalises after the gradient reduction);
+        otherwise ``cp`` times this rank's share of the row's mean: megatron's DDP averages gradients over DP x CP,
+        and its schedule does not scale the MTP loss by ``cp`` (megatron issue #3959), so the factor lives here.
+        Empty chunks contribute 0 (no NaN).
+    """
+    share = cp_token_mean(per_token_loss, loss_mask, group)
+    mean = cp_all_reduce(share, group)
+    if per_token_loss_mode:
+        return mean, (per_token_loss.float() * loss_mask.float()).sum()
+    return mean, share * _size(group)
 
 
 def roll_left_in_documents(x: torch.Tensor, packed_seq_params: Optional[PackedSeqParams], group) -> torch.Tensor:

@@ -24,12 +24,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_glm5.config import INDEXED_ATTENTION, Glm5Config
-from megatron_glm5.models.context_parallel import (
-    cp_all_reduce,
-    cp_token_mean,
-    local_image_features,
-    roll_left_in_documents,
-)
+from megatron_glm5.models.context_parallel import local_image_features, mtp_loss_terms, roll_left_in_documents
 from megatron_glm5.models.layer_specs import get_layer_spec, get_mtp_block_spec, get_stage_layer_range
 from megatron_glm5.models.mhc import contract_streams, expand_streams
 from megatron_glm5.models.norms import RMSNorm
@@ -210,21 +205,16 @@ class Glm5Model(MegatronModule):
         if loss_mask is None:
             loss_mask = (labels != -100).float() if labels.dtype != torch.bool else labels.float()
         cp_group = parallel_state.get_context_parallel_group()
-        cp_size = parallel_state.get_context_parallel_world_size()
         mtp_labels = labels
         for depth in range(self.config.mtp_num_layers):
-            # contiguous CP chunks: the shifted labels cross chunk edges (models/context_parallel.py)
+            # contiguous CP chunks: shifts and loss cross chunk edges (models/context_parallel.py)
             mtp_labels = roll_left_in_documents(mtp_labels, packed_seq_params, cp_group)
             loss_mask = roll_left_in_documents(loss_mask, packed_seq_params, cp_group)
             mtp_loss = self._token_loss(self.output_logits(chunks[depth + 1]), mtp_labels.clamp(min=0))
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
-            share = cp_token_mean(mtp_loss, loss_mask, cp_group)  # this chunk's share of the row's MTP mean
-            self.last_mtp_loss = cp_all_reduce(share, cp_group)
-            if self.config.calculate_per_token_loss:  # megatron: the summed loss, normalised after the grad reduce
-                attached = (mtp_loss * loss_mask).sum()
-            else:  # DDP averages gradients over DP x CP: each CP rank carries cp x its share (megatron #3959)
-                attached = share * cp_size
-            hidden = MTPLossAutoScaler.apply(hidden, scale * attached)
+            self.last_mtp_loss, mtp_loss = mtp_loss_terms(mtp_loss, loss_mask, cp_group,
+                                                          self.config.calculate_per_token_loss)
+            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
         return hidden
 
     # ------------------------------------------------------------------ dtype
