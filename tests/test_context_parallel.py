@@ -124,6 +124,78 @@ def test_roll_without_cp_is_megatrons_packed_roll(mcore):
     assert torch.equal(roll_left_in_documents(xb, None, None), roll_tensor(xb, -1, -1, None, None)[0])
 
 
+# ============================================================================ the KDA state hand-off (one process)
+def _chunked_kda(core, q, k, v, g, beta, cu, cp, monkeypatch):
+    """:func:`cp_chunk_kda` of every CP chunk of the row in one process, the all-gather replaced by the chunks'
+    summaries (first pass: collect them; second pass: every chunk sees all of them). Returns the row's output."""
+    import megatron_glm5.models.kda_cp as kda_cp
+    from megatron_glm5.models.context_parallel import SequenceLayout
+
+    S = q.shape[1]
+    L = S // cp
+    summaries = []
+
+    def run():
+        outs = []
+        for r in range(cp):
+            layout = SequenceLayout(cu.to(q.device), r * L, L, S, None, cp, r)
+            part = [t[:, r * L:(r + 1) * L] for t in (q, k, v, g, beta)]
+            outs.append(kda_cp.cp_chunk_kda(core, *part, q.shape[-1] ** -0.5, layout, chunk_size=16))
+        return torch.cat(outs, 1)
+
+    monkeypatch.setattr(kda_cp, "gather_sequence", lambda x, group, seq_dim=0: summaries.append(x) or x.repeat(cp, 1, 1, 1))
+    run()
+    gathered = torch.cat(summaries)
+    monkeypatch.setattr(kda_cp, "gather_sequence", lambda x, group, seq_dim=0: gathered)
+    return run()
+
+
+def _kda_inputs(S, H, K, V, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t = [torch.randn(1, S, H, K, generator=gen), torch.randn(1, S, H, K, generator=gen),
+         torch.randn(1, S, H, V, generator=gen), -5 * torch.sigmoid(torch.randn(1, S, H, K, generator=gen)),
+         torch.rand(1, S, H, generator=gen)]
+    return [x.to(device) for x in t]
+
+
+@pytest.mark.parametrize("cp,lens", [(2, (3, 14, 21, 2)), (4, (3, 14, 21, 2)), (5, (3, 40, 2)), (4, (7, 1))])
+def test_kda_state_hand_off_one_process(cp, lens, monkeypatch):
+    """The affine state summaries composed across chunks give the whole row's delta rule (a document spanning up to
+    four chunks, chunks that start at a document start, chunks of 2 tokens)."""
+    from megatron_glm5.models.kda import chunk_kda_torch
+
+    cu = cu_seqlens_of(lens)
+    q, k, v, g, beta = _kda_inputs(int(cu[-1]), 2, 8, 6, "cpu")
+    ref = chunk_kda_torch(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16, use_qk_l2norm=True)
+    got = _chunked_kda(chunk_kda_torch, q, k, v, g, beta, cu, cp, monkeypatch)
+    err = _rel(got, ref)
+    print(f"cp{cp} {lens}: rel max err {err:.2e}")
+    assert err < 1e-5
+
+
+@pytest.mark.gpu
+def test_kda_state_hand_off_fla_core(monkeypatch):
+    """The same hand-off around FLA's ``chunk_kda`` (value width V + K, write / probe tokens): equal to FLA on the
+    whole row, forward and gradients (fp32; FLA's kernels use TF32 dots)."""
+    pytest.importorskip("triton")
+    from megatron_glm5.models.kda import chunk_kda_fla
+
+    cu = cu_seqlens_of((30, 200, 170, 112))
+    inputs = _kda_inputs(512, 4, 64, 64, "cuda")
+    res = []
+    for chunked in (False, True):
+        xs = [x.clone().requires_grad_(True) for x in inputs]
+        if chunked:
+            out = _chunked_kda(chunk_kda_fla, *xs, cu, 4, monkeypatch)
+        else:
+            out = chunk_kda_fla(*xs, cu_seqlens=cu.cuda(), chunk_size=16, use_qk_l2norm=True)
+        out.backward(torch.ones_like(out))
+        res.append((out.detach(), [x.grad for x in xs]))
+    assert _rel(res[1][0], res[0][0]) < 5e-3
+    for a, b in zip(res[1][1], res[0][1]):
+        assert _rel(a, b) < 1e-2
+
+
 # ============================================================================ modules on 2 / 4 ranks
 def _module_config(**over):
     kw = dict(use_cpu_initialization=True, params_dtype=torch.float32, kda_chunk_size=16)
@@ -217,6 +289,12 @@ def _module_worker(rank, world, port, q, row_names):
                 errs, _ = _compare(ref, mod, s, cu, lambda m, x, p: (m(x, packed_seq_params=p)[0], None), rank,
                                    world, seed=1)
                 results.update({f"kda-{gate}/{row}/{k}": v for k, v in errs.items()})
+                try:  # a chunk with plain PackedSeqParams under CP is refused with one line
+                    mod(torch.zeros(s // world, 1, cfg.hidden_size), packed_seq_params=make_packed_seq_params(
+                        torch.tensor([0, s // world], dtype=torch.int32)))
+                    results["roll/refuses plain params"] = 1.0
+                except ValueError as e:
+                    results["roll/refuses plain params"] = float("split_batch_for_cp" not in str(e))
 
             if row != "long":
                 continue
