@@ -17,7 +17,7 @@ def _free_port() -> int:
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
-                        seed: int = 1234, backend: str | None = None) -> None:
+                        seed: int = 1234, backend: str | None = None, etp: int | None = None) -> None:
     """Initialise torch.distributed (from torchrun's env, or a 1-process group) and megatron's parallel state.
 
     On a machine without CUDA this also enables :mod:`megatron_glm5.cpu_compat` and uses gloo.
@@ -42,7 +42,8 @@ def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp, expert_model_parallel_size=ep)
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

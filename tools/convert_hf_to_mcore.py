@@ -15,28 +15,19 @@ does not divide, NaN/inf after FP8 dequantisation) it prints one ``convert_hf_to
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_glm5.cli import OneLineArgumentParser, one_line  # noqa: E402
+
 PROG = "convert_hf_to_mcore"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would also print the usage)
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def main(argv=None) -> int:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output torch_dist checkpoint directory (must not exist)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to validate for (default 1)")
@@ -57,7 +48,7 @@ def main(argv=None) -> int:
         info = convert_hf_to_mcore(args.hf_dir, args.out, dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep,
                                    workers=args.workers, progress=not args.no_progress, overwrite=args.overwrite)
     except INPUT_ERRORS as e:
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return 2
     gb = info["checkpoint_bytes"] / 1e9
     rate = info["tensor_bytes"] / 1e6 / max(info["seconds"], 1e-9)

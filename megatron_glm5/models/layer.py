@@ -69,6 +69,8 @@ class Glm5TransformerLayer(MegatronModule):
                                     pg_collection=pg_collection)
         else:
             self.mlp = build_module(mlp_spec, config=config)
+        if hasattr(self.mlp, "set_layer_number"):  # the MoE router logs its aux loss per layer (megatron contract)
+            self.mlp.set_layer_number(layer_number)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
                 shared_topk_indices: Optional[torch.Tensor] = None, **kwargs):

@@ -20,7 +20,11 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MultiTokenPredictionBlock
+from megatron.core.transformer.multi_token_prediction import (
+    MTPLossAutoScaler,
+    MTPLossLoggingHelper,
+    MultiTokenPredictionBlock,
+)
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_glm5.config import INDEXED_ATTENTION, Glm5Config
@@ -212,20 +216,40 @@ class Glm5Model(MegatronModule):
             loss_mask = roll_left_in_documents(loss_mask, packed_seq_params, cp_group)
             mtp_loss = self._token_loss(self.output_logits(chunks[depth + 1]), mtp_labels.clamp(min=0))
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
-            self.last_mtp_loss, mtp_loss = mtp_loss_terms(mtp_loss, loss_mask, cp_group,
-                                                          self.config.calculate_per_token_loss)
-            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
+            # the row's MTP mean (logging) and this rank's objective: summed in per-token-loss runs (the step divides
+            # by the global token count, as megatron's GPTModel), else cp x its share of the row's mean
+            self.last_mtp_loss, mtp_objective = mtp_loss_terms(mtp_loss, loss_mask, cp_group,
+                                                               self.config.calculate_per_token_loss)
+            if self.training:  # megatron's 'mtp_{depth+1} loss' logging, averaged over data(+context) ranks
+                MTPLossLoggingHelper.save_loss_to_tracker(
+                    self.last_mtp_loss, depth, self.config.mtp_num_layers,
+                    avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_objective)
         return hidden
 
     # ------------------------------------------------------------------ dtype
-    def to_dtype(self, dtype: torch.dtype) -> "Glm5Model":
-        """Cast parameters to ``dtype`` except the fp32 islands (params marked ``keep_fp32``: mHC base/scale,
-        KDA A_log/dt_bias/conv, router weight, indexer ape) and fp32 buffers (router expert bias)."""
-        for module in self.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if not getattr(p, "keep_fp32", False):
-                    p.data = p.data.to(dtype)
+    def _apply(self, fn, recurse=True):
+        """Every cast to a 16-bit float (``.bfloat16()`` — what megatron-core's ``Float16Module`` calls —,
+        ``.half()``, ``.to(dtype)``) leaves the fp32 islands in fp32: parameters marked ``keep_fp32`` (mHC
+        base/scale, KDA A_log/dt_bias/conv, router weight, indexer ape) and the fp32 buffers (router expert bias and
+        token counts). Device moves apply to them as usual."""
+        params = [(p, p.data) for p in self.parameters() if getattr(p, "keep_fp32", False)]
+        buffers = [(m, name, b) for m in self.modules() for name, b in m._buffers.items()
+                   if b is not None and b.dtype == torch.float32]
+        super()._apply(fn, recurse)
+        half = (torch.float16, torch.bfloat16)
+        for p, old in params:
+            if p.dtype in half and old.dtype == torch.float32:
+                p.data = old.to(device=p.device)
+        for m, name, old in buffers:
+            new = m._buffers[name]
+            if new is not None and new.dtype in half:
+                m._buffers[name] = old.to(device=new.device)
         return self
+
+    def to_dtype(self, dtype: torch.dtype) -> "Glm5Model":
+        """Cast to ``dtype``; the fp32 islands stay fp32 (see ``_apply``)."""
+        return self.to(dtype)
 
 
 def mark_fp32_islands(model: torch.nn.Module) -> None:
