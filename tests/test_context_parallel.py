@@ -68,7 +68,8 @@ def _row(cfg, lens, image_at=None, n_img=9, seed=0):
     if image_at is not None:
         tokens[0, image_at:image_at + n_img] = cfg.image_token_id
     batch = {"tokens": tokens, "labels": torch.randint(0, 200, (1, s), generator=g),
-             "loss_mask": (torch.rand(1, s, generator=g) > 0.2).float(), "cu_seqlens": cu_seqlens_of(lens)}
+             "loss_mask": (torch.rand(1, s, generator=g) > 0.2).float(), "cu_seqlens": cu_seqlens_of(lens),
+             "position_ids": torch.arange(s)[None], "dataset_id": torch.tensor([3])}
     if image_at is not None:
         batch["pixel_values"] = torch.randn(4 * n_img, 1176, generator=g)
         batch["image_grid_thw"] = torch.tensor([[1, 6, 6]])
@@ -94,7 +95,8 @@ def test_split_merge_round_trip(cp, multiple):
         n_before += int((local["tokens"] == cfg.image_token_id).sum())
         assert local["pixel_values"] is batch["pixel_values"]  # every rank keeps the row's images
         pad = torch.arange(r * L, (r + 1) * L) >= s
-        assert bool((local["loss_mask"][0, pad] == 0).all()) and bool((local["labels"][0, pad] == -100).all())
+        assert bool((local["loss_mask"][0, pad] == 0).all()) and bool((local["labels"][0, pad] == 0).all())
+        assert bool((local["position_ids"][0, pad] == 0).all())
     merged = merge_cp_chunks([lb for lb, _ in parts], parts[0][1], s)
     for k, v in batch.items():
         assert torch.equal(merged[k], v.to(merged[k].dtype)), k

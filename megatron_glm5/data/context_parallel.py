@@ -1,8 +1,8 @@
 """The one place that cuts a batch for context parallelism (CP).
 
-A micro-batch is one packed row (``b = 1``, THD): ``{tokens [1, s], labels [1, s], loss_mask [1, s],
-cu_seqlens [n_docs + 1] (optional: one document), position_ids [1, s] (optional), pixel_values / image_grid_thw
-(optional: the row's images)}``. :func:`split_batch_for_cp` pads the row and returns CP rank ``r``'s contiguous chunk
+A micro-batch is one packed row (``b = 1``, THD, as ``data/collate.py`` lays it out): ``{tokens [1, s],
+labels [1, s], loss_mask [1, s], any other per-token [1, s] entry, cu_seqlens [n_docs + 1] (optional: one document),
+pixel_values / image_grid_thw (optional: the row's images)}``. :func:`split_batch_for_cp` pads the row and returns CP rank ``r``'s contiguous chunk
 plus the :class:`~megatron_glm5.models.context_parallel.ContextParallelPackedSeqParams` the model needs.
 
 Why contiguous chunks: with ``cp`` contiguous chunks of a causal model the last rank has the most keys to attend
@@ -13,7 +13,8 @@ query whatever its position, and only the indexer's pool scoring grows with the 
 
 Padding: the row is padded at the end to a multiple of ``cp * chunk_multiple`` (``chunk_multiple = tp`` with
 sequence parallelism, whose chunks are cut once more over TP). The padding is its own document (so it never joins
-the last real document), with ``pad_token_id`` tokens, label ``label_pad_id`` and loss mask 0: it changes no loss.
+the last real document), with ``pad_token_id`` tokens and labels and 0 in every other per-token entry (loss mask
+0): it changes no loss.
 
 Images: every CP rank keeps all of the row's ``pixel_values`` / ``image_grid_thw`` (the vision tower runs on every
 CP rank; it is small and usually frozen) and ``image_token_offset`` tells the model which feature rows belong to its
@@ -28,31 +29,30 @@ import torch
 
 from megatron_glm5.models.context_parallel import ContextParallelPackedSeqParams, local_cu_seqlens
 
-__all__ = ["SEQUENCE_KEYS", "split_batch_for_cp", "merge_cp_chunks"]
+__all__ = ["split_batch_for_cp", "merge_cp_chunks"]
 
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-"""Per-token ``[1, s]`` entries of a batch (cut and padded); every other entry is passed to all ranks unchanged."""
+ROW_KEYS = ("cu_seqlens", "pixel_values", "image_grid_thw")
+"""Entries that describe the whole row (never cut). Every other tensor entry of shape ``[1, s]`` is per-token."""
 
 
-def _pad_values(pad_token_id: int, label_pad_id: int) -> Dict[str, int]:
-    return {"tokens": pad_token_id, "labels": label_pad_id, "loss_mask": 0, "position_ids": 0}
+def _token_keys(batch: Dict, s: int) -> List[str]:
+    return [k for k, v in batch.items()
+            if k not in ROW_KEYS and torch.is_tensor(v) and tuple(v.shape) == (1, s)]
 
 
 def split_batch_for_cp(batch: Dict, cp_size: int, cp_rank: int, config=None, *, chunk_multiple: int = 1,
-                       pad_token_id: Optional[int] = None,
-                       label_pad_id: int = -100) -> Tuple[Dict, ContextParallelPackedSeqParams]:
+                       pad_token_id: Optional[int] = None) -> Tuple[Dict, ContextParallelPackedSeqParams]:
     """CP rank ``cp_rank``'s chunk of a packed row and its ``PackedSeqParams``.
 
     Args:
-        batch: ``tokens`` ``[1, s]`` (required), ``labels`` / ``loss_mask`` / ``position_ids`` ``[1, s]``,
+        batch: ``tokens`` ``[1, s]`` (required), ``labels`` / ``loss_mask`` / other per-token ``[1, s]`` entries,
             ``cu_seqlens`` int ``[n_docs + 1]`` from 0 to ``s`` (absent: the row is one document), ``pixel_values`` /
             ``image_grid_thw`` (all images of the row), anything else (passed through).
         cp_size, cp_rank: the context-parallel group size and this rank's index in it (``cp_size = 1`` is allowed:
             the row is only padded).
         config: ``Glm5Config`` (image token ids, pad id); required when the batch has ``pixel_values``.
         chunk_multiple: every chunk's length is a multiple of this (the TP size under sequence parallelism).
-        pad_token_id: token id of the padding (default: ``config.pad_token_id``, else 0).
-        label_pad_id: label of the padding (its loss mask is 0 anyway).
+        pad_token_id: token id and label of the padding (default: ``config.pad_token_id``, else 0).
 
     Returns:
         ``(local_batch, packed_seq_params)``: ``local_batch`` holds the ``[1, L]`` slices of the per-token entries
@@ -69,8 +69,9 @@ def split_batch_for_cp(batch: Dict, cp_size: int, cp_rank: int, config=None, *, 
     if tokens is None or tokens.dim() != 2 or tokens.shape[0] != 1:
         raise ValueError("split_batch_for_cp needs batch['tokens'] of shape [1, s] (one packed row)")
     s = tokens.shape[1]
-    for key in SEQUENCE_KEYS:
-        if batch.get(key) is not None and tuple(batch[key].shape) != (1, s):
+    token_keys = _token_keys(batch, s)
+    for key in ("labels", "loss_mask"):
+        if batch.get(key) is not None and key not in token_keys:
             raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}, expected (1, {s})")
     cu = batch.get("cu_seqlens")
     cu = torch.tensor([0, s], dtype=torch.int32) if cu is None else cu.detach().to("cpu", torch.int32).flatten()
@@ -86,14 +87,12 @@ def split_batch_for_cp(batch: Dict, cp_size: int, cp_rank: int, config=None, *, 
     if total > s:  # the padding is its own document
         cu = torch.cat([cu, cu.new_tensor([total])])
 
-    pads = _pad_values(pad_token_id, label_pad_id)
-    local = {k: v for k, v in batch.items() if k not in SEQUENCE_KEYS}
-    for key in SEQUENCE_KEYS:
-        x = batch.get(key)
-        if x is None:
-            continue
+    local = {k: v for k, v in batch.items() if k not in token_keys}
+    for key in token_keys:
+        x = batch[key]
         if total > s:
-            x = torch.cat([x, x.new_full((1, total - s), pads[key])], dim=1)
+            pad = pad_token_id if key in ("tokens", "labels") else 0
+            x = torch.cat([x, x.new_full((1, total - s), pad)], dim=1)
         local[key] = x[:, start:start + chunk]
 
     image_offset = 0
@@ -123,10 +122,10 @@ def merge_cp_chunks(chunks: List[Dict], params: ContextParallelPackedSeqParams, 
     """Inverse of :func:`split_batch_for_cp` (tests, evaluation): all ranks' ``local_batch`` es in rank order, one
     rank's ``params`` and the unpadded row length -> the row: per-token entries concatenated with the padding cut off,
     ``cu_seqlens`` = the row's boundaries (if the chunks carry ``cu_seqlens``), everything else from rank 0."""
-    out = {k: v for k, v in chunks[0].items() if k not in SEQUENCE_KEYS and k != "cu_seqlens"}
-    for key in SEQUENCE_KEYS:
-        if chunks[0].get(key) is not None:
-            out[key] = torch.cat([c[key] for c in chunks], dim=1)[:, :seq_len]
+    token_keys = _token_keys(chunks[0], int(chunks[0]["tokens"].shape[1]))
+    out = {k: v for k, v in chunks[0].items() if k not in token_keys and k != "cu_seqlens"}
+    for key in token_keys:
+        out[key] = torch.cat([c[key] for c in chunks], dim=1)[:, :seq_len]
     if "cu_seqlens" in chunks[0]:
         cu = params.cu_seqlens_global
         out["cu_seqlens"] = cu[cu <= seq_len]
