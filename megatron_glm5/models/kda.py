@@ -41,6 +41,7 @@ from megatron.core.transformer.utils import (
 from megatron_glm5.models.norms import linear_output, param_device
 from megatron_glm5.config import Glm5Config
 from megatron_glm5.models.packing import document_starts, row_cu_seqlens
+from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout
 
 __all__ = [
     "l2norm",
@@ -374,7 +375,8 @@ class KimiDeltaAttention(MegatronModule):
     ``f_a_proj`` / ``f_b_proj`` / ``A_log`` / ``dt_bias`` under ``forget_gate.``.
     ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` (``[H D / tp, 1, W]``), ``A_log`` (``[H / tp]``) and ``dt_bias``
     (``[H D / tp]``) are fp32 and stay fp32 when the module is cast (attribute ``keep_fp32``).
-    Context parallelism is not supported.
+    Context parallelism (contiguous chunks of a packed row): the conv inputs and the recurrent state at the chunk's
+    left edge come from earlier CP ranks (:mod:`megatron_glm5.models.kda_cp`, around the per-rank kernel call).
     """
 
     def __init__(self, config: Glm5Config, submodules: KimiDeltaAttentionSubmodules, layer_number: int,
@@ -387,9 +389,8 @@ class KimiDeltaAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
         self.tp_size = pg_collection.tp.size()
-        cp = getattr(pg_collection, "cp", None)
-        if cp is not None and cp.size() > 1:
-            raise NotImplementedError("KimiDeltaAttention does not support context parallelism (cp > 1)")
+        self.cp_group = cp_group_of(pg_collection)
+        self.cp_size = 1 if self.cp_group is None else self.cp_group.size()
 
         self.hidden_size = config.hidden_size
         self.num_heads = config.linear_num_heads
@@ -516,10 +517,18 @@ class KimiDeltaAttention(MegatronModule):
             if b != 1:
                 raise ValueError(f"packed rows need batch size 1, got {b}")
             cu = row_cu_seqlens(packed_seq_params, s, q.device)
+        # context parallelism: this rank holds one contiguous chunk of the row (models/kda_cp.py)
+        cp_layout = None
+        if self.cp_size > 1:
+            from megatron_glm5.models.kda_cp import cp_causal_depthwise_conv1d, cp_chunk_kda  # imports this module
+
+            cp_layout = sequence_layout(packed_seq_params, s, q.device, self.cp_group)
         act_dtype = q.dtype
 
         def conv(t, w):  # [s, b, c] -> [b, s, H_l, D]
-            y = F.silu(causal_depthwise_conv1d(t.transpose(0, 1), w, cu)).to(act_dtype)
+            t = t.transpose(0, 1)
+            y = causal_depthwise_conv1d(t, w, cu) if cp_layout is None else cp_causal_depthwise_conv1d(t, w, cp_layout)
+            y = F.silu(y).to(act_dtype)
             return y.view(b, s, self.num_heads_local, self.head_dim)
 
         q, k, v = conv(q, self.q_conv1d), conv(k, self.k_conv1d), conv(v, self.v_conv1d)
@@ -527,8 +536,11 @@ class KimiDeltaAttention(MegatronModule):
         beta = torch.sigmoid(linear_output(self.b_proj(x))).transpose(0, 1)  # [b, s, H_l]
 
         core = chunk_kda_fla if self.backend == "fla" else chunk_kda_torch
-        o = core(q, k, v, g, beta, scale=self.head_dim ** -0.5, cu_seqlens=cu, chunk_size=self.chunk_size,
-                 use_qk_l2norm=True)  # [b, s, H_l, D]
+        if cp_layout is None:
+            o = core(q, k, v, g, beta, scale=self.head_dim ** -0.5, cu_seqlens=cu, chunk_size=self.chunk_size,
+                     use_qk_l2norm=True)  # [b, s, H_l, D]
+        else:
+            o = cp_chunk_kda(core, q, k, v, g, beta, self.head_dim ** -0.5, cp_layout, self.chunk_size)
 
         gate = linear_output(self.g_b_proj(self._replicated_linear(self.g_a_proj, x)))
         gate = gate.view(s, b, self.num_heads_local, self.head_dim)

@@ -27,8 +27,13 @@ with ``index_kpool_always_select_tail = False``, for the first ``kpool - 1`` tok
 (HF's output is undefined there).
 
 Tensor parallelism: heads are sharded (``q_b_proj``/``kv_b_proj`` column-parallel, ``o_proj`` row-parallel);
-``q_a_proj``, ``kv_a_proj_with_mqa``, the two RMSNorms and the indexer are replicated. Sequence and context
-parallelism are not supported.
+``q_a_proj``, ``kv_a_proj_with_mqa``, the two RMSNorms and the indexer are replicated. Sequence parallelism is not
+supported.
+
+Context parallelism (a contiguous chunk of a packed row per CP rank, :mod:`megatron_glm5.models.context_parallel`):
+queries are this rank's tokens; the KV latents ``c`` (``r`` values per token) are all-gathered over the CP group
+(backward: reduce-scatter), the indexer selects row positions of the whole row, and both backends attend over the
+gathered latents.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
+from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence
 from megatron_glm5.models.kpool_indexer import KPoolIndexer, ReplicatedLinear
 from megatron_glm5.models.norms import RMSNorm, linear_output
 
@@ -211,9 +217,7 @@ class Glm5DSAttention(MegatronModule):
         tp = get_pg_size(self.tp_group)
         if config.sequence_parallel:
             raise NotImplementedError("Glm5DSAttention does not support sequence parallelism")
-        cp_group = getattr(pg_collection, "cp", None)
-        if cp_group is not None and get_pg_size(cp_group) > 1:
-            raise NotImplementedError("Glm5DSAttention does not support context parallelism")
+        self.cp_group = cp_group_of(pg_collection)
         if config.qk_pos_emb_head_dim:
             raise ValueError("GLM-5.3 DSA is NoPE: qk_pos_emb_head_dim must be 0")
 
@@ -264,7 +268,7 @@ class Glm5DSAttention(MegatronModule):
 
     def _attention_torch(self, q, kv_lat, topk_indices):
         """'torch' backend: expand K/V with ``kv_b_proj`` and run masked dense SDPA. ``q [s, b, Hl, dq]``,
-        ``kv_lat [s, b, r]`` -> ``[s, b, Hl, dv]``."""
+        ``kv_lat [t, b, r]`` (``t = s``, or the whole row under CP) -> ``[s, b, Hl, dv]``."""
         s, b = kv_lat.shape[:2]
         kv = linear_output(self.kv_b_proj(kv_lat)).view(s, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
         k, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
@@ -304,6 +308,7 @@ class Glm5DSAttention(MegatronModule):
         q_resid = self.q_a_layernorm(linear_output(self.q_a_proj(hidden_states)))                 # [s, b, q_lora]
         q = linear_output(self.q_b_proj(q_resid)).view(s, b, self.num_heads_local, self.qk_head_dim)
         kv_lat = self.kv_a_layernorm(linear_output(self.kv_a_proj_with_mqa(hidden_states)))       # [s, b, r]
+        kv_lat = gather_sequence(kv_lat, self.cp_group)  # the whole row's latents under CP: [S, b, r]
 
         if self.indexer is not None:
             topk_indices = self.indexer(hidden_states, q_resid, packed_seq_params=packed_seq_params)

@@ -20,7 +20,6 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
     MultiTokenPredictionBlockSubmodules,
-    MultiTokenPredictionLayer,
     MultiTokenPredictionLayerSubmodules,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -31,6 +30,7 @@ from megatron_glm5.models.kda import get_kda_module_spec
 from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
 from megatron_glm5.models.layer import Glm5LayerSubmodules, Glm5MTPTransformerLayer, Glm5TransformerLayer
 from megatron_glm5.models.mhc import HyperConnection
+from megatron_glm5.models.mtp import Glm5MultiTokenPredictionLayer
 from megatron_glm5.models.norms import RMSNorm
 
 _MLP_SUBMODULES = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
@@ -96,7 +96,7 @@ def get_mtp_block_spec(config: Glm5Config) -> Optional[ModuleSpec]:
     spec.module = Glm5MTPTransformerLayer
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.causal}
     layer = ModuleSpec(
-        module=MultiTokenPredictionLayer,
+        module=Glm5MultiTokenPredictionLayer,
         submodules=MultiTokenPredictionLayerSubmodules(
             enorm=RMSNorm, hnorm=RMSNorm, eh_proj=ColumnParallelLinear, transformer_layer=spec, layer_norm=RMSNorm),
     )
