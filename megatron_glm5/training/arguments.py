@@ -84,7 +84,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="testing aid: make the loss NaN at these iterations (they must be skipped)")
 
     g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", choices=("adam",), default="adam")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (required)")
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")

@@ -319,6 +319,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         config = model_config_from_args(args, device)
     except (Glm5ConfigError, ValueError, TypeError, AssertionError) as e:
         fail(f"model config: {e}", prog)
+    global_vars.set_config(config)
     try:
         initialize_megatron(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                             ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
