@@ -28,15 +28,27 @@ def _ensure_parallel_state():
 
 
 def default_backends(device: str) -> dict:
-    """Fast paths where they are available: FLA KDA and the sparse DSA gather on CUDA; torch references on CPU."""
-    if device == "cuda":
-        try:
-            import fla.ops.kda  # noqa: F401
+    """Fast paths where they are available, on CUDA: the fused FLA KDA layer, the Triton sparse MLA kernel for DSA
+    and grouped-GEMM experts; the PyTorch references (and megatron-core's SequentialMLP) on CPU."""
+    reference = {"kda_backend": "torch", "dsa_backend": "torch", "moe_experts_backend": "sequential"}
+    if str(device).split(":")[0] != "cuda":
+        return reference
+    out = dict(reference, moe_experts_backend="grouped")
+    try:
+        import triton  # noqa: F401
 
-            return {"kda_backend": "fla", "dsa_backend": "torch"}
-        except Exception:  # noqa: BLE001 - no triton / fla on this machine
-            return {"kda_backend": "torch", "dsa_backend": "torch"}
-    return {"kda_backend": "torch", "dsa_backend": "torch"}
+        out["dsa_backend"] = "fused"
+    except Exception:  # noqa: BLE001 - no triton on this machine
+        return out
+    try:
+        import fla.modules.causal_conv1d  # noqa: F401
+        import fla.modules.norm.fused_norm_gate  # noqa: F401
+        import fla.ops.kda  # noqa: F401
+
+        out["kda_backend"] = "fla_fused"
+    except Exception:  # noqa: BLE001 - no fla on this machine
+        pass
+    return out
 
 
 def build_model(config: Glm5Config, pre_process: bool = True, post_process: bool = True,
