@@ -46,8 +46,9 @@ __all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG"
 
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 """Forward tiling: heads per program (capped at the padded head count), selected rows per step, warps, stages."""
-BWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=False)
-"""Backward tiling; ``split=True`` runs dq and dkv as two kernels (less register pressure, recomputes P twice)."""
+BWD_CONFIG = dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1)
+"""Backward tiling; ``split=True`` runs dq and dkv as two kernels (less register pressure, recomputes P twice);
+``vec_red``: 1 = 16-byte vector reductions for dkv (sm_90 ``red.global.add.v4.f32``), 0 = scalar atomics."""
 
 _LOG2E = 1.4426950408889634
 
@@ -119,10 +120,42 @@ if HAVE_TRITON:
         tl.store(LSE + t * H + offs_h, lse, mask=h_ok)
 
     @triton.jit
+    def _red_add_rows(DKV, rows, ok, vals, R: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+        """``DKV[rows[n], :] += vals[n, :]`` for the rows with ``ok`` (fp32, fire-and-forget reductions).
+
+        ``VEC = 0``: scalar atomics; ``1``: one 16-byte ``red.global.add.v4.f32`` (sm_90) per 4 columns; ``2``: the
+        same column split done with scalar atomics (checks the split on the Triton interpreter, which has no asm).
+        """
+        if VEC == 0:
+            tl.atomic_add(DKV + rows[:, None] * R + tl.arange(0, R)[None, :], vals, mask=ok[:, None],
+                          sem="relaxed")
+        else:
+            v = tl.reshape(vals, [BLOCK_N, R // 4, 2, 2])        # (n, 4k + 2a + b) -> (n, k, a, b)
+            b0, b1 = tl.split(v)                                   # b = 0 / 1: [BLOCK_N, R // 4, 2] over a
+            x0, x2 = tl.split(b0)                                  # columns 4k, 4k + 2
+            x1, x3 = tl.split(b1)                                  # columns 4k + 1, 4k + 3
+            ptr = DKV + rows[:, None] * R + (tl.arange(0, R // 4) * 4)[None, :]
+            if VEC == 1:
+                pred = tl.broadcast_to(ok[:, None], [BLOCK_N, R // 4]).to(tl.int32)
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; "
+                    "@p red.relaxed.gpu.global.add.v4.f32 [$1], {$3, $4, $5, $6}; }",
+                    "=r,l,r,f,f,f,f", [ptr.to(tl.int64), pred, x0, x1, x2, x3], dtype=tl.int32, is_pure=False,
+                    pack=1)
+            else:
+                m = tl.broadcast_to(ok[:, None], [BLOCK_N, R // 4])
+                # (`* 1.0`: the interpreter's atomics mishandle the strided views that split returns)
+                tl.atomic_add(ptr, x0 * 1.0, mask=m, sem="relaxed")
+                tl.atomic_add(ptr + 1, x1 * 1.0, mask=m, sem="relaxed")
+                tl.atomic_add(ptr + 2, x2 * 1.0, mask=m, sem="relaxed")
+                tl.atomic_add(ptr + 3, x3 * 1.0, mask=m, sem="relaxed")
+
+    @triton.jit
     def _sparse_mla_bwd_kernel(Q, KV, O, DO, LSE, IDX, NEND, DQ, DKV, qk_scale, sm_scale,
                                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
                                R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                               PREC: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DKV: tl.constexpr):
+                               PREC: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DKV: tl.constexpr,
+                               VEC_RED: tl.constexpr):
         # O, DO and DQ share one layout (stride_ot, stride_oh); Q has its own; DKV is fp32 [T, R] contiguous.
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -154,7 +187,7 @@ if HAVE_TRITON:
             if COMPUTE_DKV:
                 dkv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
                 dkv += tl.dot(tl.trans((ds * sm_scale).to(q.dtype)), q, input_precision=PREC)
-                tl.atomic_add(DKV + rows[:, None] * R + offs_r[None, :], dkv, mask=ok[:, None], sem="relaxed")
+                _red_add_rows(DKV, rows, ok, dkv, R, BLOCK_N, VEC_RED)
         if COMPUTE_DQ:
             tl.store(DQ + o_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
 
@@ -201,7 +234,7 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
             q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), H,
             R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
-            COMPUTE_DQ=compute_dq, COMPUTE_DKV=compute_dkv,
+            COMPUTE_DQ=compute_dq, COMPUTE_DKV=compute_dkv, VEC_RED=int(cfg.get("vec_red", 0)) if R % 4 == 0 else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq.to(q.dtype), dkv.to(kv.dtype)
 
