@@ -219,8 +219,10 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
 
 
 def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                    idx: torch.Tensor, n_end: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq [T, H, R] in q.dtype, dkv [T, R] in kv.dtype)``."""
+                    idx: torch.Tensor, n_end: torch.Tensor, scale: float,
+                    passes=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq [T, H, R] in q.dtype, dkv [T, R] in kv.dtype)``. ``passes``: explicit list of
+    ``(compute_dq, compute_dkv)`` kernel launches (benchmarks time the two halves separately)."""
     T, H, R = q.shape
     cfg = BWD_CONFIG
     bh = _block_h(H, cfg["BLOCK_H"])
@@ -228,7 +230,8 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
     dq = torch.empty_like(o)
     dkv = torch.zeros(T, R, device=kv.device, dtype=torch.float32)
     grid = (T, triton.cdiv(H, bh))
-    passes = [(True, False), (False, True)] if cfg.get("split") else [(True, True)]
+    if passes is None:
+        passes = [(True, False), (False, True)] if cfg.get("split") else [(True, True)]
     for compute_dq, compute_dkv in passes:
         _sparse_mla_bwd_kernel[grid](
             q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
