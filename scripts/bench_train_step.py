@@ -8,7 +8,8 @@ Both models are built from the same HF config dict: the released widths (``glm5_
 decoder layers (``linear_attention`` x (L-1) then ``indexed_attention``), every MLP an MoE with ``--experts`` experts
 top-``--topk``, ``index_topk`` 2048 / ``index_kpool`` 4, vision depth 1 (no image in the batch), no MTP.
 transformers' ``Glm5NextForConditionalGeneration`` is built with its defaults (grouped_mm experts, FLA kernels where
-installed); ours by ``build_model`` with ``default_backends('cuda')`` unless ``--ours-backends`` says otherwise.
+installed); ours by ``build_model`` with ``default_backends('cuda')`` unless ``--ours-backends`` says otherwise
+(``--ours-backends kda_backend=fla_fused,dsa_backend=fused,moe_experts_backend=grouped`` is the fastest set).
 One document of ``s`` tokens per step. Printed per length: tokens/s, 6N-MFU against the bf16 matmul rate measured
 at the start (``N`` = active parameters: everything but the embedding and the vision tower, routed experts counted
 ``topk / experts``), peak memory, the ratio ours / transformers; then a CUDA-time profile (top kernels) of our step
@@ -162,7 +163,7 @@ def time_steps(step, dev: str, warmup: int, iters: int):
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else float("nan")
     times.sort()
-    return times[len(times) // 2], peak, float(loss)
+    return times[len(times) // 2], peak, float(loss.detach())
 
 
 def profile_step(step, dev: str, top: int, out_path: str = None) -> str:
@@ -284,7 +285,8 @@ def main(argv=None) -> int:
         h, o = results["runs"].get(f"hf_{s}"), results["runs"].get(f"ours_{s}")
         ratio = (o["tokens_per_s"] / h["tokens_per_s"]) if (h and o and "seconds" in h and "seconds" in o) else None
         tag = " (recompute)" if s >= a.recompute_from else ""
-        print(f"| {s // 1024}K{tag} | {fmt(h, 'tokens_per_s', '{:,.0f}')} | {fmt(o, 'tokens_per_s', '{:,.0f}')} | "
+        label = f"{s // 1024}K" if s % 1024 == 0 else str(s)
+        print(f"| {label}{tag} | {fmt(h, 'tokens_per_s', '{:,.0f}')} | {fmt(o, 'tokens_per_s', '{:,.0f}')} | "
               f"{'-' if ratio is None else f'{ratio:.2f}'} | {fmt(o, 'mfu', '{:.1%}')} | {fmt(h, 'mfu', '{:.1%}')} | "
               f"{fmt(o, 'peak_gib', '{:.1f}')} | {fmt(h, 'peak_gib', '{:.1f}')} |")
     if profile_table:
