@@ -18,23 +18,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _time(fn, iters):
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", default="4096,16384")
@@ -45,7 +28,7 @@ def main(argv=None) -> int:
     import torch
     from fla.ops.kda import chunk_kda
 
-    from bench_train_step import matmul_rate
+    from bench_train_step import cuda_time, matmul_rate
     from megatron_glm5.config import Glm5Config, glm5_flash_hf_config
     from megatron_glm5.initialize import initialize_megatron
     from megatron_glm5.models.kda import KimiDeltaAttention, get_kda_module_spec
@@ -74,7 +57,7 @@ def main(argv=None) -> int:
                 out, _ = layer(x, packed_seq_params=psp)
                 out.backward(gy)
             torch.cuda.reset_peak_memory_stats()
-            res[backend] = (_time(run, a.iters), torch.cuda.max_memory_allocated() / 2 ** 30)
+            res[backend] = (cuda_time(run, a.iters), torch.cuda.max_memory_allocated() / 2 ** 30)
             x.grad = None
             layer.zero_grad(set_to_none=True)
         q, k, v, g = (torch.randn(1, s, H, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(4))
@@ -90,7 +73,7 @@ def main(argv=None) -> int:
                              safe_gate=lb is not None, use_beta_sigmoid_in_kernel=True, cu_seqlens=cu.to(dev),
                              cu_seqlens_cpu=cu)
             o.backward(go)
-        t_kernel = _time(kernel, a.iters)
+        t_kernel = cuda_time(kernel, a.iters)
         HD = H * D
         gemm_flops = 3 * 2 * s * (4 * h * HD + 2 * h * D + 2 * D * HD + h * H)
         t_gemm = gemm_flops / rate * 1e3

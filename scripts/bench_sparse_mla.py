@@ -55,23 +55,6 @@ def kpool_like_indices(s: int, topk: int, kpool: int, device, seed: int = 0):
     return out[None]
 
 
-def _time(fn, iters=5):
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", default="4096,16384")
@@ -84,6 +67,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from bench_train_step import cuda_time
     from megatron_glm5.kernels import sparse_mla as sm
 
     dev = "cuda"
@@ -105,7 +89,7 @@ def main(argv=None) -> int:
             sm.FWD_CONFIG.update(cfg)
             try:
                 with torch.no_grad():
-                    t = _time(lambda: sm.sparse_mla(q, kv, idx, 0.06, prepared=prep))
+                    t = cuda_time(lambda: sm.sparse_mla(q, kv, idx, 0.06, prepared=prep))
                 print(f"  fwd {cfg}: {t:7.2f} ms  {f_fwd / t / 1e9:6.0f} TFLOP/s", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  fwd {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -117,7 +101,7 @@ def main(argv=None) -> int:
             sm.BWD_CONFIG.clear()
             sm.BWD_CONFIG.update(cfg)
             try:
-                t = _time(lambda: sm._sparse_mla_bwd(go.view(s, H, R), q.view(s, H, R), kv.view(s, R), o, lse,
+                t = cuda_time(lambda: sm._sparse_mla_bwd(go.view(s, H, R), q.view(s, H, R), kv.view(s, R), o, lse,
                                                      prep[0], prep[1], 0.06))
                 line = f"  bwd {cfg}: {t:7.2f} ms  {f_bwd / t / 1e9:6.0f} TFLOP/s"
                 if cfg.get("split"):
@@ -128,10 +112,10 @@ def main(argv=None) -> int:
         sm.BWD_CONFIG.clear()
         sm.BWD_CONFIG.update(default_bwd)
         for name, passes in (("dq only", [(True, False)]), ("dkv only", [(False, True)])):
-            t = _time(lambda: sm._sparse_mla_bwd(go.view(s, H, R), q.view(s, H, R), kv.view(s, R), o, lse,
+            t = cuda_time(lambda: sm._sparse_mla_bwd(go.view(s, H, R), q.view(s, H, R), kv.view(s, R), o, lse,
                                                  prep[0], prep[1], 0.06, passes=passes))
             print(f"  default bwd, {name}: {t:7.2f} ms", flush=True)
-        t = _time(lambda: sm.sparse_mla(q, kv, idx, 0.06, prepared=prep).backward(go))
+        t = cuda_time(lambda: sm.sparse_mla(q, kv, idx, 0.06, prepared=prep).backward(go))
         print(f"  default fwd+bwd (autograd): {t:7.2f} ms", flush=True)
         del q, kv, go, idx, prep, o, lse
         torch.cuda.empty_cache()
@@ -139,4 +123,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

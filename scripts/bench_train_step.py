@@ -67,6 +67,24 @@ def matmul_rate(dev: str, n: int = 8192, reps: int = 10) -> float:
     return 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
 
 
+def cuda_time(fn, iters: int = 5) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream (CUDA events; one warm-up call first)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _sync(dev):
     import torch
 

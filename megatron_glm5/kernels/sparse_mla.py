@@ -81,10 +81,8 @@ def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices
 if HAVE_TRITON:
 
     @triton.jit
-    def _sparse_mla_fwd_kernel(Q, KV, IDX, NEND, O, LSE, qk_scale,
-                               stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
-                               R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                               PREC: tl.constexpr):
+    def _program_query(Q, stride_qt, stride_qh, H, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's query row ``t``, head / latent / slot offsets and its ``q [BLOCK_H, R]`` block."""
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, R)
@@ -92,16 +90,30 @@ if HAVE_TRITON:
         h_ok = offs_h < H
         q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :], mask=h_ok[:, None],
                     other=0.0)
+        return t, offs_h, offs_r, offs_nb, h_ok, q
+
+    @triton.jit
+    def _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r):
+        """Rows ``n0 .. n0 + BLOCK_N`` of this query's selection: ``(rows int64, ok, kv [BLOCK_N, R])``."""
+        offs_n = n0 + offs_nb
+        idx = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < n_end, other=-1)
+        ok = idx >= 0
+        rows = idx.to(tl.int64)
+        kv = tl.load(KV + rows[:, None] * stride_kvt + offs_r[None, :], mask=ok[:, None], other=0.0)
+        return rows, ok, kv
+
+    @triton.jit
+    def _sparse_mla_fwd_kernel(Q, KV, IDX, NEND, O, LSE, qk_scale,
+                               stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
+                               R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PREC: tl.constexpr):
+        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         n_end = tl.load(NEND + tl.program_id(0))
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, R], tl.float32)
         for n0 in range(0, n_end, BLOCK_N):
-            offs_n = n0 + offs_nb
-            idx = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < n_end, other=-1)
-            ok = idx >= 0
-            kv = tl.load(KV + idx.to(tl.int64)[:, None] * stride_kvt + offs_r[None, :], mask=ok[:, None],
-                         other=0.0)
+            rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
             s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -157,13 +169,7 @@ if HAVE_TRITON:
                                PREC: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DKV: tl.constexpr,
                                VEC_RED: tl.constexpr):
         # O, DO and DQ share one layout (stride_ot, stride_oh); Q has its own; DKV is fp32 [T, R] contiguous.
-        t = tl.program_id(0).to(tl.int64)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_r = tl.arange(0, R)
-        offs_nb = tl.arange(0, BLOCK_N)
-        h_ok = offs_h < H
-        q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :], mask=h_ok[:, None],
-                    other=0.0)
+        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         o_off = t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
         do = tl.load(DO + o_off, mask=h_ok[:, None], other=0.0)
         o = tl.load(O + o_off, mask=h_ok[:, None], other=0.0)
@@ -172,11 +178,7 @@ if HAVE_TRITON:
         n_end = tl.load(NEND + tl.program_id(0))
         dq = tl.zeros([BLOCK_H, R], tl.float32)
         for n0 in range(0, n_end, BLOCK_N):
-            offs_n = n0 + offs_nb
-            idx = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < n_end, other=-1)
-            ok = idx >= 0
-            rows = idx.to(tl.int64)
-            kv = tl.load(KV + rows[:, None] * stride_kvt + offs_r[None, :], mask=ok[:, None], other=0.0)
+            rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
             s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
             p = tl.math.exp2(s - lse[:, None])
             p = tl.where(ok[None, :], p, 0.0)
