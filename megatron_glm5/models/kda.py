@@ -509,8 +509,9 @@ class KimiDeltaAttention(MegatronModule):
         """``hidden_states`` ``[s, b, h]`` (``[s / tp, b, h]`` under sequence parallelism) -> ``(out [s, b, h],
         None)``. ``packed_seq_params.cu_seqlens_q`` (``b = 1``) marks document boundaries; ``attention_mask`` is
         ignored (the mixer is causal by construction)."""
-        if self.backend == "fla_fused":
+        if self.backend == "fla_fused" and getattr(self, "cp_size", 1) == 1:
             return self._forward_fla_fused(hidden_states, packed_seq_params)
+        # (under context parallelism 'fla_fused' takes this path with FLA's chunk_kda as the core)
         x = hidden_states
         q = linear_output(self.q_proj(x))  # [s, b, H_l * D]
         k = linear_output(self.k_proj(x))
@@ -531,7 +532,7 @@ class KimiDeltaAttention(MegatronModule):
         g = self._forget_gate(linear_output(self.f_b_proj(self._replicated_linear(self.f_a_proj, x)))).transpose(0, 1)
         beta = torch.sigmoid(linear_output(self.b_proj(x))).transpose(0, 1)  # [b, s, H_l]
 
-        core = chunk_kda_fla if self.backend == "fla" else chunk_kda_torch
+        core = chunk_kda_fla if self.backend in ("fla", "fla_fused") else chunk_kda_torch
         o = core(q, k, v, g, beta, scale=self.head_dim ** -0.5, cu_seqlens=cu, chunk_size=self.chunk_size,
                  use_qk_l2norm=True)  # [b, s, H_l, D]
 
