@@ -11,7 +11,7 @@ Math (``H`` heads, ``dq = qk_head_dim``, ``dv = v_head_dim``, ``r = kv_lora_rank
     o_i     = sum_{j in S_i} softmax_j(q_i . k_j * dq^-0.5) v_j
     out     = o_proj o
 
-Two backends (``config.dsa_backend``) compute the same ``o``:
+Three backends (``config.dsa_backend``) compute the same ``o``:
 
 * ``'torch'``: masked dense reference: a boolean ``[b, s, s]`` mask from the selection and
   ``scaled_dot_product_attention`` over expanded per-head K/V. ``O(s^2)`` memory.
@@ -20,6 +20,9 @@ Two backends (``config.dsa_backend``) compute the same ``o``:
   ``c[S_i]`` ``[width, r]``, ``p = softmax(q_lat . c[S_i] * scale)``, ``o = (p c[S_i]) W_vc^T``. Queries are
   processed in chunks under activation checkpointing, so the gathered ``[chunk, width, r]`` rows are never held
   for more than one chunk.
+* ``'fused'`` (the GPU fast path): the same absorbed form with the attention over the selected latents in one
+  Triton kernel, forward and backward (``megatron_glm5/kernels/sparse_mla.py``); linear memory. It relies on the
+  indexer's selections being duplicate-free (selected pools and the tail are disjoint).
 
 Packed rows (``b = 1`` + ``PackedSeqParams``) need nothing beyond the indexer: it only selects positions of the
 query's own document, so queries never attend across documents. Queries with an empty selection (possible only
@@ -287,6 +290,22 @@ class Glm5DSAttention(MegatronModule):
                                     self.softmax_scale, query_chunk=self.sparse_query_chunk)
         return out.transpose(0, 1)
 
+    def _attention_fused(self, q, kv_lat, topk_indices):
+        """'fused' backend: :meth:`_attention_sparse`'s absorbed form with the Triton sparse MLA kernel. Same
+        shapes. The indexer's tail slots (the last ``kpool - 1``) are moved to the front so that every row's valid
+        slots end early and the kernel skips the unused pool slots of short contexts."""
+        from megatron_glm5.kernels.sparse_mla import sparse_mla
+
+        w_kc, w_vc = self.absorbed_weights()
+        if get_pg_size(self.tp_group) > 1:
+            kv_lat = copy_to_tensor_model_parallel_region(kv_lat, group=self.tp_group)
+        topk = self.config.index_topk
+        if topk_indices.shape[-1] > topk:
+            topk_indices = torch.cat([topk_indices[..., topk:], topk_indices[..., :topk]], dim=-1)
+        q_lat = torch.einsum("sbhd,hdr->bshr", q, w_kc)                               # [b, s, H, r]
+        o_lat = sparse_mla(q_lat, kv_lat.transpose(0, 1), topk_indices, self.softmax_scale)
+        return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc)                           # [s, b, H, dv]
+
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 packed_seq_params: Optional[PackedSeqParams] = None,
@@ -318,7 +337,9 @@ class Glm5DSAttention(MegatronModule):
                                  f"layer's topk indices as shared_topk_indices")
             topk_indices = shared_topk_indices
 
-        if self.backend == "sparse":
+        if self.backend == "fused":
+            out = self._attention_fused(q, kv_lat, topk_indices)
+        elif self.backend == "sparse":
             out = self._attention_sparse(q, kv_lat, topk_indices)
         elif self.backend == "torch":
             out = self._attention_torch(q, kv_lat, topk_indices)
