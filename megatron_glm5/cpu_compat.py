@@ -178,7 +178,7 @@ def enable_cpu_compat() -> None:
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if tensor is not None and as_numpy and tensor.device.type == "cpu":
-            return tensor.tolist()
+            return tensor.numpy()
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu

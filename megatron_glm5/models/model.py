@@ -24,11 +24,11 @@ from megatron.core.transformer.multi_token_prediction import (
     MTPLossAutoScaler,
     MTPLossLoggingHelper,
     MultiTokenPredictionBlock,
-    roll_tensor,
 )
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_glm5.config import INDEXED_ATTENTION, Glm5Config
+from megatron_glm5.models.context_parallel import local_image_features, mtp_loss_terms, roll_left_in_documents
 from megatron_glm5.models.layer_specs import get_layer_spec, get_mtp_block_spec, get_stage_layer_range
 from megatron_glm5.models.mhc import contract_streams, expand_streams
 from megatron_glm5.models.norms import RMSNorm
@@ -135,8 +135,10 @@ class Glm5Model(MegatronModule):
         self.decoder.set_input_tensor(input_tensor)
 
     # ------------------------------------------------------------------ pieces
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
-        """input_ids [b, s] -> embeddings [s, b, h] with image features spliced in."""
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None,
+              packed_seq_params=None) -> torch.Tensor:
+        """input_ids [b, s] -> embeddings [s, b, h] with image features spliced in. Under context parallelism every
+        rank runs the vision tower on all images of its row and splices the features of its chunk's image tokens."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is not None:
             if self.vision_model is None:
@@ -144,6 +146,7 @@ class Glm5Model(MegatronModule):
             from megatron_glm5.models.vision import splice_image_features
 
             feats = self.vision_model(pixel_values, image_grid_thw)
+            feats = local_image_features(feats, input_ids, packed_seq_params, self.config)
             emb = splice_image_features(input_ids, emb.transpose(0, 1), feats.to(emb.dtype),
                                         self.config).transpose(0, 1).contiguous()
         return emb
@@ -168,7 +171,8 @@ class Glm5Model(MegatronModule):
         loss [b, s] with labels; on a non-last PP stage the streams [s, b, n*h].
         """
         if self.pre_process:
-            hidden = expand_streams(self.embed(input_ids, pixel_values, image_grid_thw), self.hc_mult)
+            hidden = expand_streams(self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params),
+                                    self.hc_mult)
         else:
             hidden = self.decoder.input_tensor
         hidden = self.decoder(hidden, packed_seq_params=packed_seq_params)
@@ -207,21 +211,19 @@ class Glm5Model(MegatronModule):
         cp_group = parallel_state.get_context_parallel_group()
         mtp_labels = labels
         for depth in range(self.config.mtp_num_layers):
-            mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp_group,
-                                        packed_seq_params=packed_seq_params)
-            loss_mask, num_tokens = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
-                                                packed_seq_params=packed_seq_params)
+            # contiguous CP chunks: shifts and loss cross chunk edges (models/context_parallel.py)
+            mtp_labels = roll_left_in_documents(mtp_labels, packed_seq_params, cp_group)
+            loss_mask = roll_left_in_documents(loss_mask, packed_seq_params, cp_group)
             mtp_loss = self._token_loss(self.output_logits(chunks[depth + 1]), mtp_labels.clamp(min=0))
-            mtp_loss = (mtp_loss * loss_mask).sum()
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
-            denom = loss_mask.sum().clamp(min=1)
-            self.last_mtp_loss = (mtp_loss / denom).detach()
+            # the row's MTP mean (logging) and this rank's objective: summed in per-token-loss runs (the step divides
+            # by the global token count, as megatron's GPTModel), else cp x its share of the row's mean
+            self.last_mtp_loss, mtp_objective = mtp_loss_terms(mtp_loss, loss_mask, cp_group,
+                                                               self.config.calculate_per_token_loss)
             if self.training:  # megatron's 'mtp_{depth+1} loss' logging, averaged over data(+context) ranks
                 MTPLossLoggingHelper.save_loss_to_tracker(
                     self.last_mtp_loss, depth, self.config.mtp_num_layers,
                     avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            # per-token-loss runs sum over tokens (the step divides by the global token count), as megatron's GPTModel
-            mtp_objective = mtp_loss if self.config.calculate_per_token_loss else mtp_loss / denom
             hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_objective)
         return hidden
 

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import List, Optional
 
+from megatron_glm5.cli import OneLineArgumentParser, one_line
+
 PROG = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_glm5_vlm.py"
 MODEL_PRESETS = ("glm5-flash", "glm5-tiny")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -29,17 +31,12 @@ class ArgumentError(ValueError):
 
 def fail(message: str, prog: str = PROG) -> None:
     """Print one error line and exit 2 (what every user-facing failure of the training entry does)."""
-    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
     raise SystemExit(2)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would also print the usage: one line only
-        fail(message, self.prog)
-
-
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Pretrain / fine-tune GLM-5.3-Flash (text and image+text) on megatron-core.",
+    p = OneLineArgumentParser(prog=prog, description="Pretrain / fine-tune GLM-5.3-Flash (text and image+text) on megatron-core.",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     g = p.add_argument_group("model")
@@ -87,7 +84,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="testing aid: make the loss NaN at these iterations (they must be skipped)")
 
     g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", choices=("adam",), default="adam")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (required)")
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")

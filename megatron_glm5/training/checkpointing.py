@@ -180,8 +180,8 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed: dict,
     state = _full_state(model, optimizer, scheduler, iteration, consumed, args,
                         with_optimizer=not args.no_save_optim)
     dist_checkpointing.save(state, tmp, sharded_strategy=("torch_dist", 1))
-    if getattr(args, "test_kill_during_save", None) == iteration:  # tests: die with the save half done
-        os.kill(os.getpid(), signal.SIGKILL)
+    if getattr(args, "test_kill_during_save", None) == iteration:  # tests: the job dies with the save half done
+        os.killpg(os.getpgid(0), signal.SIGKILL)  # its process group: megatron's writer helper process too
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, CONFIG_FILE), "w") as fh:

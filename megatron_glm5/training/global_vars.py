@@ -8,6 +8,7 @@ from typing import List
 import torch
 
 _ARGS = None
+_CONFIG = None
 _ITERATION = 0
 _EXPERT_LOADS: List[torch.Tensor] = []
 
@@ -21,6 +22,18 @@ def get_args():
     if _ARGS is None:
         raise RuntimeError("training arguments are not set (call pretrain first)")
     return _ARGS
+
+
+def set_config(config) -> None:
+    """The run's model config (Glm5Config)."""
+    global _CONFIG
+    _CONFIG = config
+
+
+def get_config():
+    if _CONFIG is None:
+        raise RuntimeError("the model config is not set (call pretrain first)")
+    return _CONFIG
 
 
 def set_iteration(iteration: int) -> None:
@@ -44,5 +57,5 @@ def expert_loads() -> List[torch.Tensor]:
 
 def reset() -> None:
     """Forget everything (tests run several trainings in one process)."""
-    global _ARGS, _ITERATION, _EXPERT_LOADS
-    _ARGS, _ITERATION, _EXPERT_LOADS = None, 0, []
+    global _ARGS, _CONFIG, _ITERATION, _EXPERT_LOADS
+    _ARGS, _CONFIG, _ITERATION, _EXPERT_LOADS = None, None, 0, []

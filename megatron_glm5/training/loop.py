@@ -308,6 +308,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     User errors end with one line and exit 2; a run stopped by NaNs exits 1.
     """
     from megatron_glm5.config import Glm5ConfigError
+    from megatron_glm5.data import DataError
     from megatron_glm5.initialize import destroy_megatron, initialize_megatron
 
     prog = prog or os.path.basename(sys.argv[0])
@@ -318,6 +319,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         config = model_config_from_args(args, device)
     except (Glm5ConfigError, ValueError, TypeError, AssertionError) as e:
         fail(f"model config: {e}", prog)
+    global_vars.set_config(config)
     try:
         initialize_megatron(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                             ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
@@ -340,7 +342,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             iteration, consumed = load_checkpoint(model, optimizer, scheduler, args, hf_config, log=print_rank_0)
         except CheckpointError as e:
             fail(str(e), prog)
-        train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, config)
+        try:
+            train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, config)
+        except DataError as e:
+            fail(str(e), prog)
         packing = getattr(train_ds, "packing_efficiency", None)
         train_iters = _make_iterators(train_ds, consumed["train"], args, len(model))
         valid_iters = _make_iterators(valid_ds, consumed["valid"], args, len(model)) if args.eval_iters else None
