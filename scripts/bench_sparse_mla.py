@@ -12,10 +12,8 @@ the always-selected tail (tail slots first, as the DSA layer passes them). Print
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FWD_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
              dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2),
@@ -123,5 +121,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

@@ -27,7 +27,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def proxy_hf_config(layers: int, experts: int, topk: int, index_topk: int, kpool: int, vision_depth: int,
