@@ -14,6 +14,7 @@ megatron-core calls a few CUDA-only APIs unconditionally: ``torch.cuda.current_d
 * literal ``device="cuda"`` tensor factories (``torch.zeros(..., device="cuda")`` and friends) in the megatron-core
   modules of the training path (optimizer, grad clipping, DDP buffers, pipeline schedules, MoE / MTP trackers)
   create the tensor on the CPU: those modules see a ``torch`` whose factories map a CUDA device to the CPU;
+* ``Tensor.cuda()`` returns the tensor itself (it stays on the CPU);
 * ``Tensor.type()`` (no arguments) of a CPU tensor names the CUDA type (``torch.cuda.FloatTensor``): megatron's
   optimizers dispatch on these names (fp32 vs bf16 params, asserting fp32 grads); dtype checks stay exact.
 
@@ -93,6 +94,8 @@ def _install_cuda_type_names() -> None:
         return original(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = type_
+    # ``.cuda()`` moves (the distributed optimizer's checkpoint gather) keep the tensor where it is: the CPU
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 class _InertStream:
