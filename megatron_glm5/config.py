@@ -71,7 +71,8 @@ class Glm5VisionConfig:
     def from_hf_dict(cls, d: dict) -> "Glm5VisionConfig":
         rope = d.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
-            raise Glm5ConfigError(f"vision_config.rope_parameters.rope_type: only 'axial' is supported, got {rope.get('rope_type')!r}")
+            raise Glm5ConfigError("vision_config.rope_parameters.rope_type: only 'axial' is supported, got "
+                                  f"{rope.get('rope_type')!r}")
         if d.get("hidden_act", "silu") != "silu":
             raise Glm5ConfigError(f"vision_config.hidden_act: only 'silu' is supported, got {d.get('hidden_act')!r}")
         kw = {}
@@ -296,8 +297,12 @@ class Glm5Config(MLATransformerConfig):
                 p = os.path.join(p, "config.json")
             if not os.path.exists(p):
                 raise Glm5ConfigError(f"config.json: not found at {p}")
-            with open(p) as fh:
-                full = json.load(fh)
+            try:
+                with open(p, encoding="utf-8") as fh:
+                    full = json.load(fh)
+            except (OSError, ValueError, RecursionError) as e:
+                raise Glm5ConfigError(f"{p}: not readable JSON ({' '.join(str(e).split())[:200]})") from None
+        check_hf_config_types(full)
         text = full.get("text_config")
         if text is None:
             text = {k: v for k, v in full.items() if k != "vision_config"}
@@ -323,7 +328,8 @@ class Glm5Config(MLATransformerConfig):
             moe_intermediate_size=self.moe_ffn_hidden_size or text.get("moe_intermediate_size", 2048),
             num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_attention_heads, n_shared_experts=self.n_shared_experts,
-            n_routed_experts=self.num_moe_experts or text.get("n_routed_experts", 288), routed_scaling_factor=self.moe_router_topk_scaling_factor,
+            n_routed_experts=self.num_moe_experts or text.get("n_routed_experts", 288),
+            routed_scaling_factor=self.moe_router_topk_scaling_factor,
             kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank, qk_rope_head_dim=0,
             v_head_dim=self.v_head_dim, qk_nope_head_dim=self.qk_head_dim,
             n_group=self.moe_router_num_groups or 1, topk_group=self.moe_router_group_topk or 1,
@@ -340,6 +346,8 @@ class Glm5Config(MLATransformerConfig):
         )
         if self.mtp_num_layers:
             text["num_nextn_predict_layers"] = self.mtp_num_layers
+        else:  # e.g. built without MTP from a checkpoint that holds no MTP weights
+            text.pop("num_nextn_predict_layers", None)
         text.pop("linear_attn_config", None)
         out = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
                "text_config": text, "tie_word_embeddings": self.tie_word_embeddings,
@@ -349,6 +357,83 @@ class Glm5Config(MLATransformerConfig):
         if self.vision is not None:
             out["vision_config"] = self.vision.to_hf_dict()
         return out
+
+
+# HF config.json value types and ranges checked before anything reads them (a "false" string is not a bool, an
+# rms_norm_eps of 0 is not an epsilon). kind: "int+" positive int, "int0" non-negative int, "float+" positive
+# number, "float" any number, "bool", "strs" list of strings; None is accepted where HF accepts null.
+_POS_INT = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+            "n_routed_experts", "num_experts_per_tok", "index_n_heads", "index_head_dim", "index_topk", "index_kpool",
+            "hc_mult", "hc_sinkhorn_iters", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim")
+_TEXT_SCHEMA = {
+    **{k: ("int+", False) for k in _POS_INT},
+    **{k: ("int+", True) for k in ("q_lora_rank", "n_group", "topk_group")},
+    **{k: ("int0", True) for k in ("n_shared_experts", "num_nextn_predict_layers", "pad_token_id",
+                                   "index_topk_freq", "index_skip_topk_offset")},
+    "qk_rope_head_dim": ("int0", False),
+    **{k: ("float+", False) for k in ("rms_norm_eps", "hc_eps", "routed_scaling_factor", "swiglu_limit",
+                                      "initializer_range")},
+    "linear_lower_bound": ("float", True),
+    **{k: ("bool", False) for k in ("tie_word_embeddings", "norm_topk_prob", "attention_bias",
+                                    "index_kpool_always_select_tail")},
+    **{k: ("strs", True) for k in ("layer_types", "mlp_layer_types", "indexer_types")},
+}
+_VISION_SCHEMA = {
+    **{k: ("int+", False) for k in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
+                                    "projection_intermediate_size", "patch_size", "temporal_patch_size",
+                                    "spatial_merge_size", "in_channels", "num_hidden_layers",
+                                    "num_attention_heads")},
+    **{k: ("float+", False) for k in ("rms_norm_eps", "swiglu_limit")},
+    "attention_bias": ("bool", False),
+}
+_TOP_SCHEMA = {
+    **{k: ("int0", True) for k in ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+                                   "video_start_token_id", "video_end_token_id")},
+    "tie_word_embeddings": ("bool", False),
+}
+
+
+def _check_value(where: str, v, kind: str, nullable: bool) -> None:
+    if v is None:
+        if not nullable:
+            raise Glm5ConfigError(f"{where}: null is not allowed")
+        return
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    ok = {"int+": is_int and v > 0, "int0": is_int and v >= 0, "bool": isinstance(v, bool),
+          "float+": (is_int or isinstance(v, float)) and v > 0 and v != float("inf"),
+          "float": (is_int or isinstance(v, float)) and v == v and abs(v) != float("inf"),
+          "strs": isinstance(v, list) and all(isinstance(x, str) for x in v)}[kind]
+    if not ok:
+        want = {"int+": "a positive integer", "int0": "a non-negative integer", "bool": "true or false",
+                "float+": "a positive finite number", "float": "a finite number", "strs": "a list of strings"}[kind]
+        raise Glm5ConfigError(f"{where}: must be {want}, got {json.dumps(v)[:80]}")
+
+
+def check_hf_config_types(full) -> None:
+    """Raise Glm5ConfigError naming the first HF config value of the wrong JSON type or out of range."""
+    if not isinstance(full, dict):
+        raise Glm5ConfigError(f"config.json: must be a JSON object, got {type(full).__name__}")
+    for sub in ("text_config", "vision_config"):
+        if full.get(sub) is not None and not isinstance(full[sub], dict):
+            raise Glm5ConfigError(f"{sub}: must be a JSON object, got {type(full[sub]).__name__}")
+    text = full.get("text_config")
+    if text is None:
+        text = full
+    tprefix = ""  # text fields are named bare, as in every other config error
+    checks = [(tprefix, text, _TEXT_SCHEMA), ("vision_config.", full.get("vision_config") or {}, _VISION_SCHEMA)]
+    if text is not full:
+        checks.append(("", full, _TOP_SCHEMA))
+    for prefix, d, schema in checks:
+        for k, (kind, nullable) in schema.items():
+            if k in d:
+                _check_value(prefix + k, d[k], kind, nullable)
+    lac = text.get("linear_attn_config")
+    if lac is not None and not isinstance(lac, dict):
+        raise Glm5ConfigError(f"{tprefix}linear_attn_config: must be a JSON object")
+    q = full.get("quantization_config")
+    if q is not None and not isinstance(q, dict):
+        raise Glm5ConfigError("quantization_config: must be a JSON object")
 
 
 def _text_fields_from_hf(t: dict) -> dict:

@@ -52,3 +52,24 @@ def destroy_megatron() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def ensure_initialized(require_tp1: bool = False, who: str = "this tool") -> None:
+    """Initialise a 1-process megatron parallel state (TP=PP=EP=CP=1) unless one exists.
+
+    ``require_tp1``: refuse an existing state whose TP/PP/EP/CP sizes are not all 1 (tools that build the whole
+    model on the meta device; the world may hold several data-parallel writer processes)."""
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_megatron()
+        return
+    if require_tp1:
+        sizes = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_expert_model_parallel_world_size(),
+                 parallel_state.get_context_parallel_world_size())
+        if sizes != (1, 1, 1, 1):
+            raise RuntimeError(f"{who} needs megatron parallel state TP=PP=EP=CP=1, found TP/PP/EP/CP {sizes}; "
+                               "run it in its own process")
+
+
+free_port = _free_port  # a free loopback TCP port for a torch.distributed rendezvous (workers, tests)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Throughput and peak memory of tools/convert_hf_to_mcore.py on a synthetic multi-GB FP8 checkpoint.
 
-    python scripts/bench_convert.py [--size-gb 2.2] [--shard-mb 256] [--workers 1] [--dtype bf16] [--dir DIR] [--keep]
+    python scripts/bench_convert.py [--size-gb 2.2] [--shard-mb 256] [--workers 1] [--threads 2] [--dtype bf16]
+        [--dir DIR] [--keep] [--reuse]
 
 1. Writes a random GLM-5.3 checkpoint in the released layout (block-FP8 e4m3 + ``weight_scale_inv`` for DSA
    projections, dense MLPs and experts, fp32 islands, BF16 elsewhere; sharded safetensors + index) for a text-only
@@ -9,7 +10,11 @@
    shard (one shard in memory at a time); key names and shapes come from the shared key table
    (``hf_keys.mcore_to_hf`` over the meta-built model), the same table every loader uses.
 2. Runs the converter CLI in a child process, sampling the resident memory of its whole process tree, and prints
-   e.g. ``convert: 2.4 GB in 31 s = 79 MB/s, peak RSS 0.9 GB``.
+   e.g. ``convert: 2.4 GB in 31 s = 79 MB/s, peak RSS 0.9 GB`` (wall time of the whole command, start-up included)
+   and the converter's own figure (from its first tensor read to the published checkpoint).
+
+``--dir`` is a scratch folder the bench creates (a fresh temporary one by default); an existing folder is used only
+if an earlier run of the bench made it (``--reuse`` then keeps its synthetic checkpoint, ``--keep`` keeps it all).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def bench_hf_config(n_experts: int, num_layers: int = 8) -> dict:
@@ -47,10 +51,10 @@ def hf_tensor_specs(hf_cfg: dict):
     """[(hf key, shape)] of the checkpoint the model of ``hf_cfg`` expects (meta build, no memory)."""
     import torch
 
-    from megatron_glm5.checkpoint.mcore_writer import build_meta_model, ensure_single_process_megatron, model_sources
+    from megatron_glm5.checkpoint.lazy_sources import model_sources
+    from megatron_glm5.models.builder import build_meta_model
 
-    ensure_single_process_megatron()
-    _, model = build_meta_model(hf_cfg, torch.bfloat16)
+    model = build_meta_model(hf_cfg, torch.bfloat16)
     specs = []
     for s in model_sources(model, torch.bfloat16).values():
         n = len(s.hf_keys)
@@ -76,6 +80,7 @@ def write_synthetic_checkpoint(out_dir: str, hf_cfg: dict, shard_mb: float, seed
 
     from megatron_glm5.checkpoint.fp8 import is_fp8_in_release, quantize_fp8_blockwise
     from megatron_glm5.checkpoint.hf_keys import is_fp32_island_hf
+    from megatron_glm5.checkpoint.safetensors_io import nbytes
 
     text = hf_cfg["text_config"]
     specs = hf_tensor_specs(hf_cfg)
@@ -107,7 +112,7 @@ def write_synthetic_checkpoint(out_dir: str, hf_cfg: dict, shard_mb: float, seed
             else:
                 tensors[key] = t if is_fp32_island_hf(key) else t.to(torch.bfloat16)
         save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        total += sum(nbytes(t.shape, t.dtype) for t in tensors.values())
         weight_map.update({k: fname for k in tensors})
         del tensors
         print(f"  shard {i + 1}/{len(shards)} written ({total / 1e9:.2f} GB, {time.time() - t0:.0f} s)", flush=True)
@@ -129,12 +134,12 @@ def experts_for(size_gb: float, num_layers: int = 8) -> int:
     return max(8, 8 * math.ceil(n / 8))
 
 
-def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str):
+def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str, threads: int):
     """Run the CLI; returns (wall seconds, peak RSS of its process tree in bytes, exit code)."""
     import psutil
 
     cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_mcore.py"), "--hf-dir", hf_dir, "--out",
-           out_dir, "--workers", str(workers), "--dtype", dtype]
+           out_dir, "--workers", str(workers), "--threads", str(threads), "--dtype", dtype, "--overwrite", "--no-progress"]
     # the generator initialised torch.distributed in this process; the child must make its own group
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -158,34 +163,53 @@ def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str):
     return time.time() - t0, peak, proc.returncode
 
 
+MARKER = ".bench_convert_scratch"
+
+
 def main(argv=None) -> int:
+    import tempfile
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=2.2, help="approximate source checkpoint size (default 2.2)")
     p.add_argument("--shard-mb", type=float, default=256)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2, help="writer threads per converter process (default 2)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--dir", default="/tmp/glm5_bench_convert", help="scratch directory (deleted unless --keep)")
-    p.add_argument("--keep", action="store_true")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument("--reuse", action="store_true", help="reuse the synthetic checkpoint of an earlier run in --dir")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", module=r"megatron\.")
 
+    if a.dir is None:
+        a.dir = tempfile.mkdtemp(prefix="glm5_bench_convert_")
+    elif os.path.exists(a.dir) and os.listdir(a.dir) and not os.path.exists(os.path.join(a.dir, MARKER)):
+        print(f"bench_convert: error: --dir {a.dir} exists and was not made by this bench; refusing to use it",
+              file=sys.stderr)
+        return 2
+    os.makedirs(a.dir, exist_ok=True)
+    open(os.path.join(a.dir, MARKER), "w").close()
     hf_dir, out_dir = os.path.join(a.dir, "hf_fp8"), os.path.join(a.dir, "mcore")
-    if os.path.exists(a.dir):
-        shutil.rmtree(a.dir)
-    os.makedirs(a.dir)
     try:
-        cfg = bench_hf_config(experts_for(a.size_gb))
-        print(f"writing a synthetic FP8 checkpoint ({cfg['text_config']['n_routed_experts']} experts x "
-              f"{cfg['text_config']['num_hidden_layers']} layers, hidden {cfg['text_config']['hidden_size']}) ...")
-        size = write_synthetic_checkpoint(hf_dir, cfg, a.shard_mb)
-        secs, peak, rc = run_converter(hf_dir, out_dir, a.workers, a.dtype)
+        if a.reuse and os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json")):
+            with open(os.path.join(hf_dir, "model.safetensors.index.json")) as fh:
+                size = json.load(fh)["metadata"]["total_size"]
+            print(f"reusing the synthetic FP8 checkpoint in {hf_dir} ({size / 1e9:.2f} GB)")
+        else:
+            shutil.rmtree(hf_dir, ignore_errors=True)
+            cfg = bench_hf_config(experts_for(a.size_gb))
+            print(f"writing a synthetic FP8 checkpoint ({cfg['text_config']['n_routed_experts']} experts x "
+                  f"{cfg['text_config']['num_hidden_layers']} layers, hidden {cfg['text_config']['hidden_size']}) ...")
+            size = write_synthetic_checkpoint(hf_dir, cfg, a.shard_mb)
+        secs, peak, rc = run_converter(hf_dir, out_dir, a.workers, a.dtype, a.threads)
         if rc != 0:
             print(f"bench_convert: converter failed with exit code {rc}", file=sys.stderr)
             return 1
         with open(os.path.join(out_dir, "conversion_info.json")) as fh:
             info = json.load(fh)
         print(f"output: {info['checkpoint_bytes'] / 1e9:.2f} GB torch_dist ({a.dtype}), {info['num_tensors']} tensors, "
-              f"{a.workers} worker(s); converter's own timer {info['seconds']:.1f} s")
+              f"{a.workers} worker(s) x {a.threads} writer thread(s); converter's own timer {info['seconds']:.1f} s "
+              f"= {size / 1e6 / info['seconds']:.0f} MB/s of FP8 input")
         print(f"convert: {size / 1e9:.2f} GB in {secs:.0f} s = {size / 1e6 / secs:.0f} MB/s, "
               f"peak RSS {peak / 1e9:.2f} GB")
     finally:

@@ -186,7 +186,6 @@ def time_steps(step, dev: str, warmup: int, iters: int):
 
 def profile_step(step, dev: str, top: int, out_path: str = None) -> str:
     """CUDA-time table (top kernels by self device time) of one step."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])

@@ -17,8 +17,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 
 def parity_config(hidden: int, layers: int) -> dict:
@@ -55,7 +53,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import torch
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
     from transformers import Glm5NextForConditionalGeneration
 
     from megatron_glm5.models.builder import build_model_from_hf

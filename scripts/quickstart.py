@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def synthetic_packed_row(cfg_json: dict, doc_lens=(40, 56, 32), seed: int = 0):

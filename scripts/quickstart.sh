@@ -8,8 +8,14 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e .
 out=${QUICKSTART_DIR:-outputs/quickstart}
+# start afresh, but delete only a folder the quickstart made itself (it carries a .quickstart marker)
+if [ -d "$out" ] && [ -n "$(ls -A "$out")" ] && [ ! -e "$out/.quickstart" ]; then
+    echo "quickstart: error: $out exists and was not made by the quickstart; set QUICKSTART_DIR to a new folder" >&2
+    exit 2
+fi
 rm -rf "$out"
 mkdir -p "$out"
+touch "$out/.quickstart"
 python3 tools/make_tiny_hf_checkpoint.py --out "$out/tiny_hf" --format fp8 --mtp
 python3 scripts/quickstart.py --hf-dir "$out/tiny_hf" --out "$out" --steps 1
 python3 tools/convert_hf_to_mcore.py --hf-dir "$out/tiny_hf" --out "$out/tiny_mcore" --dtype fp32 --tp 2 --ep 2

@@ -1,12 +1,10 @@
 """HF (BF16) -> tools/convert_hf_to_mcore.py -> tools/convert_mcore_to_hf.py -> HF is bit-exact."""
 
 import os
-import sys
 
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 
 def _tensors(path):
@@ -18,9 +16,9 @@ def _tensors(path):
 
 
 def test_bf16_round_trip_through_both_tools_is_bit_exact(tmp_path, mcore):
-    from convert_hf_to_mcore import main as to_mcore
-    from convert_mcore_to_hf import main as to_hf
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.convert_hf_to_mcore import main as to_mcore
+    from megatron_glm5.cli.convert_mcore_to_hf import main as to_hf
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     from megatron_glm5.config import tiny_hf_config
 

@@ -5,7 +5,6 @@ megatron's own save, fp32 logits equal to tools/hf_forward.py, loads at TP=2 / E
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 
@@ -15,11 +14,11 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from megatron_glm5.checkpoint.hf_io import HFCheckpointReader, load_hf_checkpoint  # noqa: E402
 from megatron_glm5.checkpoint.hf_keys import canonical_name, is_non_persistent, mcore_to_hf  # noqa: E402
 from megatron_glm5.config import Glm5Config, tiny_hf_config  # noqa: E402
+from megatron_glm5.initialize import free_port  # noqa: E402
 
 ERR = "convert_hf_to_mcore: error:"
 
@@ -47,7 +46,7 @@ def _tensors(model):
 
 
 def _convert(hf_dir, out, *extra):
-    from convert_hf_to_mcore import main
+    from megatron_glm5.cli.convert_hf_to_mcore import main
 
     return main(["--hf-dir", str(hf_dir), "--out", str(out), "--no-progress", *extra])
 
@@ -70,17 +69,11 @@ def _copy_ckpt(src, dst, mutate=None, mutate_cfg=None):
     return str(dst)
 
 
-def _free_port():
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 # --------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, mcore):
     """The tiny FP8 + MTP HF checkpoint and its bf16 / fp32 conversions (1 process)."""
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     root = tmp_path_factory.mktemp("convert")
     hf = write_checkpoint(str(root / "hf_fp8"), tiny_hf_config(mtp=True), fmt="fp8", mtp=True, seed=11)
@@ -110,8 +103,8 @@ def test_bf16_checkpoint_loads_bitwise_like_hf_loader(ckpts, reference):
     assert out["mtp.layers.0.eh_proj.weight"].dtype == torch.bfloat16
 
     files = sorted(os.listdir(ckpts["bf16"]))
-    assert files == [".metadata", "__0_0.distcp", "common.pt", "conversion_info.json", "hf_config.json",
-                     "metadata.json"]
+    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "checksums.sha256", "common.pt",
+                     "conversion_info.json", "hf_config.json", "metadata.json"]
     with open(os.path.join(ckpts["bf16"], "hf_config.json")) as fh:
         assert json.load(fh) == json.loads(json.dumps(Glm5Config.from_hf(ckpts["hf"]).to_hf_dict()))
     with open(os.path.join(ckpts["bf16"], "conversion_info.json")) as fh:
@@ -149,7 +142,7 @@ def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
 
 
 def test_fp32_logits_equal_hf_forward(ckpts):
-    import hf_forward
+    from megatron_glm5.cli import hf_forward
 
     from megatron_glm5.models.packing import make_packed_seq_params
 
@@ -226,7 +219,7 @@ def _layout_worker(rank, world, port, hf_dir, ckpt, ref_path):
 def test_loads_at_tp2_ep2_pp2(ckpts, reference, tmp_path):
     ref_path = str(tmp_path / "ref.pt")
     torch.save(_tensors(reference), ref_path)
-    mp.start_processes(_layout_worker, args=(2, _free_port(), ckpts["hf"], ckpts["bf16"], ref_path), nprocs=2,
+    mp.start_processes(_layout_worker, args=(2, free_port(), ckpts["hf"], ckpts["bf16"], ref_path), nprocs=2,
                        join=True, start_method="spawn")
 
 
@@ -236,8 +229,9 @@ def test_two_workers_equal_one(ckpts, tmp_path):
 
     out = tmp_path / "w2"
     assert _convert(ckpts["hf"], out, "--workers", "2") == 0
-    assert {f for f in os.listdir(out) if f.endswith(".distcp")} == {"__0_0.distcp", "__1_0.distcp"}
-    assert all(os.path.getsize(out / f) > 100_000 for f in ("__0_0.distcp", "__1_0.distcp"))  # balanced
+    distcp = {f for f in os.listdir(out) if f.endswith(".distcp")}
+    assert distcp == {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"}
+    assert all(os.path.getsize(out / f) > 50_000 for f in distcp)  # balanced
     a, b = dist_checkpointing.load_plain_tensors(ckpts["bf16"]), dist_checkpointing.load_plain_tensors(str(out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     for f in ("common.pt", "metadata.json", "hf_config.json"):
@@ -335,7 +329,7 @@ def test_cli_process_exit_code(ckpts, tmp_path):
 
 
 def test_interrupted_conversion_leaves_no_output(ckpts, tmp_path, monkeypatch):
-    from megatron_glm5.checkpoint.mcore_writer import convert_hf_to_mcore
+    from megatron_glm5.checkpoint.hf_to_mcore import convert_hf_to_mcore
 
     real_get, calls = HFCheckpointReader.get, []
 
@@ -348,5 +342,5 @@ def test_interrupted_conversion_leaves_no_output(ckpts, tmp_path, monkeypatch):
     monkeypatch.setattr(HFCheckpointReader, "get", flaky_get)
     with pytest.raises(RuntimeError, match="simulated crash"):
         convert_hf_to_mcore(ckpts["hf"], str(tmp_path / "ckpt"), progress=False)
-    assert len(calls) == 25
+    assert 25 <= len(calls) <= 27  # the other writer thread stops after the tensor it is producing
     assert os.listdir(tmp_path) == []

@@ -14,7 +14,6 @@ from safetensors import safe_open
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOOL = os.path.join(ROOT, "tools", "convert_mcore_to_hf.py")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from megatron_glm5.checkpoint.fp8 import FP8_DTYPE, dequantize_fp8_blockwise, is_fp8_in_release  # noqa: E402
 from megatron_glm5.checkpoint.hf_keys import is_fp32_island_hf  # noqa: E402
@@ -44,7 +43,7 @@ def _no_leftovers(parent):
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, mcore):
     """HF bf16 source (with MTP) -> bf16 megatron model -> megatron's own dist_checkpointing.save."""
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
     from megatron.core import dist_checkpointing
 
     from megatron_glm5.models.builder import build_model_from_hf
@@ -64,7 +63,7 @@ def ckpts(tmp_path_factory, mcore):
 
 @pytest.fixture(scope="module")
 def exported(ckpts):
-    from convert_mcore_to_hf import main
+    from megatron_glm5.cli.convert_mcore_to_hf import main
 
     out = str(ckpts["root"] / "hf_bf16")
     assert main(["--load", ckpts["mcore"], "--out", out, "--shard-mb", str(SHARD_MB), "--no-progress"]) == 0
@@ -73,7 +72,7 @@ def exported(ckpts):
 
 @pytest.fixture(scope="module")
 def exported_fp8(ckpts):
-    from convert_mcore_to_hf import main
+    from megatron_glm5.cli.convert_mcore_to_hf import main
 
     out = str(ckpts["root"] / "hf_fp8")
     assert main(["--load", ckpts["mcore"], "--out", out, "--fp8", "--no-progress"]) == 0
@@ -112,7 +111,8 @@ def test_index_config_and_shards(ckpts, exported):
         cfg = json.load(fh)
     assert cfg["dtype"] == "bfloat16" and "quantization_config" not in cfg
     assert cfg["text_config"]["num_nextn_predict_layers"] == 1
-    assert sorted(os.listdir(exported)) == sorted(files + ["config.json", "model.safetensors.index.json"])
+    assert sorted(os.listdir(exported)) == sorted(files + ["checksums.sha256", "config.json",
+                                                   "model.safetensors.index.json"])
     assert not _no_leftovers(os.path.dirname(exported))
 
 
@@ -241,7 +241,7 @@ def _copy_without(src, dst, skip=()):
 @pytest.mark.parametrize("case", ["no_hf_config", "not_torch_dist", "garbage_metadata", "shape_mismatch",
                                   "missing_tensor"])
 def test_bad_input(ckpts, tmp_path, capsys, case):
-    from convert_mcore_to_hf import main
+    from megatron_glm5.cli.convert_mcore_to_hf import main
 
     args = []
     if case == "no_hf_config":
@@ -285,7 +285,7 @@ def test_bad_input(ckpts, tmp_path, capsys, case):
 
 
 def test_existing_output_needs_overwrite(ckpts, exported, tmp_path, capsys):
-    from convert_mcore_to_hf import main
+    from megatron_glm5.cli.convert_mcore_to_hf import main
 
     out = tmp_path / "out"
     out.mkdir()

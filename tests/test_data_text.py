@@ -2,7 +2,6 @@
 
 import json
 import os
-import sys
 import types
 
 import numpy as np
@@ -14,9 +13,7 @@ from megatron_glm5.data.builder import build_train_valid_test_datasets, train_va
 from megatron_glm5.data.tiny_data import make_text_jsonl, make_tiny_tokenizer, tiny_texts
 from megatron_glm5.data.tokenizer import build_tokenizer
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import make_tiny_data  # noqa: E402
-import preprocess_data  # noqa: E402
+from megatron_glm5.cli import make_tiny_data, preprocess_data
 
 
 @pytest.fixture(scope="module")

@@ -65,3 +65,37 @@ def test_release_fp8_set():
     assert is_fp8_in_release(lm + "2.mlp.shared_experts.down_proj.weight", text)
     assert not is_fp8_in_release(lm + "2.mlp.gate.weight", text)
     assert is_fp8_in_release(lm + "4.self_attn.o_proj.weight", text)  # the MTP layer is a DSA layer
+
+
+@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((129, 1), (128, 128)), ((1, 1000), (128, 128)),
+                                         ((96, 64), (32, 16)), ((0, 5), (128, 128))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fast_dequant_is_bitwise_the_reference(shape, block, dtype):
+    """The bit-pattern fast path against the plain definition on fresh random codes: every one of the 256 e4m3
+    codes (zeros, subnormals, negative, the NaN codes), partial blocks, random positive scales."""
+    from megatron_glm5.checkpoint.fp8 import dequantize_fp8_reference, fp8_nan_count
+
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes.view(-1)[: min(256, codes.numel())] = torch.arange(min(256, codes.numel()), dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    s = torch.rand(grid, generator=g) * 10.0 ** torch.randint(-6, 2, grid, generator=g) + 1e-9
+    fast = dequantize_fp8_blockwise(q, s, out_dtype=dtype, block_size=block)
+    ref = dequantize_fp8_reference(q, s, out_dtype=dtype, block_size=block)
+    assert fast.dtype == ref.dtype == dtype and fast.shape == ref.shape
+    assert torch.equal(fast.isnan(), ref.isnan()) and torch.equal(fast.nan_to_num(0.0), ref.nan_to_num(0.0))
+    assert fp8_nan_count(q) == int(ref.isnan().sum())
+
+
+def test_all_finite_on_the_bit_pattern():
+    from megatron_glm5.checkpoint.hf_io import all_finite
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        x = torch.randn(333, generator=g).to(dtype)
+        assert all_finite(x) and all_finite(x[::2]) and all_finite(x[:0])
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            y = x.clone()
+            y[int(torch.randint(0, 333, (1,), generator=g))] = bad
+            assert not all_finite(y) and not all_finite(y[::1]), (dtype, bad)

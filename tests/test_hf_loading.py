@@ -2,13 +2,11 @@
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 from megatron_glm5.checkpoint.fp8 import dequantize_fp8_blockwise  # noqa: E402
 from megatron_glm5.checkpoint.hf_io import CheckpointMismatchError, load_hf_checkpoint  # noqa: E402
@@ -18,7 +16,7 @@ from megatron_glm5.config import Glm5Config, tiny_hf_config  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     root = tmp_path_factory.mktemp("ckpts")
     hf = tiny_hf_config()

@@ -3,13 +3,11 @@ loads at TP1 equal to the HF checkpoint loaded directly at TP1."""
 
 import os
 import socket
-import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
 
@@ -50,7 +48,7 @@ def _save_worker(rank, world, port, hf_dir, out, layout):
 
 @pytest.fixture(scope="module")
 def hf_ckpt(tmp_path_factory):
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     from megatron_glm5.config import tiny_hf_config
 

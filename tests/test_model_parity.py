@@ -6,7 +6,6 @@ on its own. fp32, CPU.
 """
 
 import os
-import sys
 import time
 
 import pytest
@@ -14,14 +13,13 @@ import torch
 
 from megatron_glm5.data.synthetic import cu_seqlens_of
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 DOC_LENS = (23, 37, 30)  # document 1 carries the image
 
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     from megatron_glm5.config import tiny_hf_config
 
@@ -145,7 +143,7 @@ def test_logits_and_grads_match_transformers(tiny_ckpt, mcore):
 def test_hf_forward_tool_matches_transformers(tiny_ckpt, tmp_path, mcore):
     import json
 
-    import hf_forward
+    from megatron_glm5.cli import hf_forward
 
     cfg_json = json.load(open(os.path.join(tiny_ckpt, "config.json")))
     docs, pv, grid = make_inputs(cfg_json, seed=1)
@@ -162,7 +160,7 @@ def test_hf_forward_tool_matches_transformers(tiny_ckpt, tmp_path, mcore):
 
 
 def test_hf_forward_tool_rejects_bad_input(tiny_ckpt, tmp_path, mcore, capsys):
-    import hf_forward
+    from megatron_glm5.cli import hf_forward
 
     out = tmp_path / "out.pt"
     cases = {

@@ -1,7 +1,5 @@
 """The MTP layer (checkpoint layer L = num_layers) through megatron-core's MultiTokenPredictionBlock."""
 
-import os
-import sys
 
 import pytest
 import torch
@@ -9,14 +7,13 @@ import torch.nn.functional as F
 
 from megatron_glm5.data.synthetic import cu_seqlens_of
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 DOCS = (21, 34, 17)
 
 
 @pytest.fixture(scope="module")
 def mtp_ckpt(tmp_path_factory):
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     from megatron_glm5.config import tiny_hf_config
 

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.training_harness import error_lines, read_dist_checkpoint, run, scalars
+from tests.training_harness import read_dist_checkpoint, run, scalars
 
 RTOL = 1e-5
 STEPS = 3

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.training_harness import PRETRAIN, REPO, TINY, error_lines, read_dist_checkpoint, run, scalars
+from tests.training_harness import REPO, TINY, error_lines, read_dist_checkpoint, run, scalars
 
 ISSUE_FLAGS = """--tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
   --expert-model-parallel-size --expert-tensor-parallel-size --context-parallel-size --sequence-parallel

@@ -1,85 +1,13 @@
 #!/usr/bin/env python
 """Export a megatron-core torch_dist checkpoint of GLM-5.3 to an HF checkpoint that transformers loads.
 
-    python tools/convert_mcore_to_hf.py --load DIR --out DIR [--hf-config PATH] [--fp8] [--shard-mb 5000]
-        [--overwrite] [--no-progress]
-
---load        a ``dist_checkpointing`` (torch_dist) checkpoint of Glm5Model, saved at any TP/PP/EP layout (a
-              megatron save dir with ``latest_checkpointed_iteration.txt`` resolves to that iteration)
---hf-config   the HF config.json of the model (default: ``hf_config.json`` in the checkpoint dir or its parent)
---fp8         re-quantise the keys the release stores as block FP8 (e4m3 + 128x128 fp32 ``weight_scale_inv``)
-              and add ``quantization_config`` to config.json
---shard-mb    output shard size in MiB (default 5000)
-
-The model is built on the meta device at TP=PP=EP=1 (no memory) to map every checkpoint tensor onto its HF key(s)
-through the shared key table; then for each output shard only the tensors it needs are read, converted (fused
-gate/up split, BF16 with the fp32 islands in fp32, optional FP8) and streamed to
-``model-0000i-of-0000N.safetensors``, so memory stays about one output shard. The output appears complete or not
-at all (written into a temporary sibling folder, renamed at the end). Bad input (missing directory, not a
-torch_dist checkpoint, no HF config, config/weights mismatch, unreadable data) exits 2 with one
-``convert_mcore_to_hf: error: ...`` line.
+The command line of :mod:`megatron_glm5.cli.convert_mcore_to_hf` (``--help`` for the options). Needs the package importable
+(``pip install -e .`` as scripts/quickstart.sh does, or ``PYTHONPATH`` set to the checkout).
 """
 
-from __future__ import annotations
-
-import argparse
-import os
 import sys
-import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_glm5.checkpoint.hf_export import PROG, ExportError, check_out_dir, export_hf_checkpoint  # noqa: E402
-
-
-def _parser():
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--load", required=True, help="torch_dist checkpoint directory")
-    p.add_argument("--out", required=True, help="output HF directory")
-    p.add_argument("--hf-config", default=None, help="HF config.json (default: hf_config.json in --load)")
-    p.add_argument("--fp8", action="store_true", help="block-FP8 e4m3 for the keys the release stores in FP8")
-    p.add_argument("--shard-mb", type=float, default=5000.0, help="output shard size in MiB (default 5000)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once the export is done")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def _quiet_imports():
-    """Keep stderr to the progress bar and the error line (megatron warns about missing TE/Apex on import)."""
-    for mod in (r"megatron(\..*)?", r"torch(\..*)?", r"transformers(\..*)?"):
-        warnings.filterwarnings("ignore", category=UserWarning, module=mod)
-        warnings.filterwarnings("ignore", category=FutureWarning, module=mod)
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=mod)
-
-
-def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
-    _quiet_imports()
-
-    def fail(msg: str) -> int:
-        print(f"{PROG}: error: {' '.join(str(msg).split())}", file=sys.stderr)
-        return 2
-
-    if not os.path.isdir(a.load):
-        return fail(f"--load {a.load}: no such directory")
-    if a.hf_config is not None and not os.path.exists(a.hf_config):
-        return fail(f"--hf-config {a.hf_config}: not found")
-    from megatron_glm5.checkpoint.mcore_reader import (McoreCheckpointError, check_torch_dist, find_hf_config,
-                                                       resolve_checkpoint_dir)
-    from megatron_glm5.config import Glm5ConfigError
-
-    try:
-        load_dir = resolve_checkpoint_dir(a.load)
-        check_torch_dist(load_dir)
-        if a.hf_config is None and find_hf_config(load_dir) is None:
-            raise ExportError(f"{load_dir}: hf_config.json not found (pass --hf-config PATH)")
-        check_out_dir(a.out, load_dir, a.overwrite)
-        export_hf_checkpoint(load_dir, a.out, hf_config=a.hf_config, fp8=a.fp8, shard_mb=a.shard_mb,
-                             overwrite=a.overwrite, progress=not a.no_progress)
-    except (ExportError, McoreCheckpointError, Glm5ConfigError) as e:
-        return fail(str(e))
-    return 0
-
+from megatron_glm5.cli.convert_mcore_to_hf import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,15 +31,72 @@ def _block_sizes(shape, scale_shape, block_size: Optional[Sequence[int]]):
     return bo, bi
 
 
-def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+def dequantize_fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                              block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """weight [out, in] float8_e4m3fn, scale_inv [ceil(out/bo), ceil(in/bi)] fp32 -> [out, in] ``out_dtype``."""
+    """The plain definition: weight [out, in] float8_e4m3fn, scale_inv [ceil(out/bo), ceil(in/bi)] fp32 ->
+    ``(weight.float() * scale expanded to [out, in]).to(out_dtype)``."""
     if weight.dim() != 2 or scale_inv.dim() != 2:
         raise ValueError(f"FP8 weight and scale must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
     bo, bi = _block_sizes(weight.shape, scale_inv.shape, block_size)
     rows, cols = weight.shape
     scale = scale_inv.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
     return (weight.float() * scale).to(out_dtype)
+
+
+_TWO_POW_120 = 2.0 ** 120
+_INT32_SIGN = -(2 ** 31)
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                             block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Bitwise equal to :func:`dequantize_fp8_reference`, several times faster on CPU (torch converts fp8 to float
+    one element at a time): every e4m3 code ``s eeee mmm`` placed in the fp32 bit pattern ``s 0000eeee mmm0...``
+    is exactly ``value * 2^-120`` (subnormals included), so ``value * scale`` is that float times ``scale * 2^120``:
+    three integer passes and one multiply per element, a block row (``bo`` rows) at a time so it stays in cache.
+    NaN codes give NaN, as in the reference."""
+    if weight.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(f"FP8 weight and scale must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
+    bo, bi = _block_sizes(weight.shape, scale_inv.shape, block_size)
+    rows, cols = weight.shape
+    scale = scale_inv.float()
+    if weight.dtype != FP8_DTYPE or rows * cols == 0 or not float(scale.abs().max()) < 2.0 ** 7:
+        return dequantize_fp8_reference(weight, scale_inv, out_dtype, block_size)  # (scale * 2^120 would overflow)
+    out = torch.empty(rows, cols, dtype=out_dtype)
+    codes = weight.view(torch.uint8)
+    col_scale = (scale * _TWO_POW_120).repeat_interleave(bi, 1)[:, :cols]  # [gr, cols]
+    step = bo * max(1, _CHUNK_ELEMENTS // (bo * cols))  # whole block rows, about _CHUNK_ELEMENTS at a time
+    # buffers reused chunk after chunk (fresh large allocations would page-fault on every chunk)
+    n0 = min(step, rows)
+    mag_buf = torch.empty(n0, cols, dtype=torch.uint8)
+    bits_buf = torch.empty(n0, cols, dtype=torch.int32)
+    sign_buf = torch.empty(n0, cols, dtype=torch.int32)
+    for r0 in range(0, rows, step):
+        c8 = codes[r0:r0 + step]
+        n = c8.shape[0]
+        magnitude, bits, sign = mag_buf[:n], bits_buf[:n], sign_buf[:n]
+        torch.bitwise_and(c8, 0x7F, out=magnitude)
+        bits.copy_(magnitude)
+        bits <<= 20
+        sign.copy_(c8.view(torch.int8))  # sign-extended: bit 31 set for negative codes
+        sign &= _INT32_SIGN
+        bits |= sign
+        f = bits.view(torch.float32)
+        g0, nb = r0 // bo, -(-n // bo)
+        if n == nb * bo:
+            f.view(nb, bo, cols).mul_(col_scale[g0:g0 + nb, None, :])
+        else:  # the last, partial block row
+            f.mul_(col_scale[g0].expand(n, cols) if nb == 1 else col_scale[g0:g0 + nb].repeat_interleave(bo, 0)[:n])
+        if int(magnitude.max()) == 0x7F:  # NaN codes
+            f.masked_fill_(magnitude == 0x7F, float("nan"))
+        out[r0:r0 + n].copy_(f)
+    return out
+
+
+def fp8_nan_count(weight: torch.Tensor) -> int:
+    """Number of NaN codes (``s 1111 111``) in a float8_e4m3fn tensor (e4m3fn has no inf)."""
+    magnitude = weight.view(torch.uint8) & 0x7F
+    return int((magnitude == 0x7F).sum()) if magnitude.numel() and int(magnitude.max()) == 0x7F else 0
 
 
 def quantize_fp8_blockwise(weight: torch.Tensor, block_size: Sequence[int] = (128, 128)):

@@ -32,30 +32,59 @@ from typing import List, Optional, Tuple
 
 LM = "model.language_model."
 
-_LAYER_RULES = [
-    # (megatron suffix regex, HF suffix template(s)); templates may use \1.. groups
-    (r"attn_hc\.(fn|base|scale)", ["hc_attn_{0}"]),
-    (r"ffn_hc\.(fn|base|scale)", ["hc_ffn_{0}"]),
-    (r"input_layernorm\.weight", ["input_layernorm.weight"]),
-    (r"pre_mlp_layernorm\.weight", ["post_attention_layernorm.weight"]),
-    (r"self_attention\.([qkv]_conv1d)", ["self_attn.{0}.weight"]),  # KDA conv: bare parameter [C, 1, W]
-    (r"self_attention\.(.+)", ["self_attn.{0}"]),
-    (r"mlp\.linear_fc1\.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-    (r"mlp\.linear_fc2\.weight", ["mlp.down_proj.weight"]),
-    (r"mlp\.router\.weight", ["mlp.gate.weight"]),
-    (r"mlp\.router\.expert_bias", ["mlp.gate.e_score_correction_bias"]),
-    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
-     ["mlp.experts.{0}.gate_proj.weight", "mlp.experts.{0}.up_proj.weight"]),
-    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", ["mlp.experts.{0}.down_proj.weight"]),
-    (r"mlp\.shared_experts\.linear_fc1\.weight", ["mlp.shared_experts.gate_proj.weight",
-                                                  "mlp.shared_experts.up_proj.weight"]),
-    (r"mlp\.shared_experts\.linear_fc2\.weight", ["mlp.shared_experts.down_proj.weight"]),
+# One table for both directions: (megatron template, HF template(s), {placeholder: regex}). Two HF templates mean
+# the megatron tensor is [first; second] concatenated along dim 0. Rules are tried in order (first match wins), in
+# both directions; the inverse (HF -> megatron) is compiled from the same rows, never written separately.
+_LAYER_TABLE = [
+    ("attn_hc.{x}", ["hc_attn_{x}"], {"x": "fn|base|scale"}),
+    ("ffn_hc.{x}", ["hc_ffn_{x}"], {"x": "fn|base|scale"}),
+    ("input_layernorm.weight", ["input_layernorm.weight"], {}),
+    ("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"], {}),
+    ("self_attention.{conv}", ["self_attn.{conv}.weight"], {"conv": "[qkv]_conv1d"}),  # KDA conv: bare [C, 1, W]
+    ("self_attention.{rest}", ["self_attn.{rest}"], {"rest": ".+"}),
+    ("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], {}),
+    ("mlp.linear_fc2.weight", ["mlp.down_proj.weight"], {}),
+    ("mlp.router.weight", ["mlp.gate.weight"], {}),
+    ("mlp.router.expert_bias", ["mlp.gate.e_score_correction_bias"], {}),
+    ("mlp.experts.local_experts.{e}.linear_fc1.weight",
+     ["mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"], {"e": r"\d+"}),
+    ("mlp.experts.local_experts.{e}.linear_fc2.weight", ["mlp.experts.{e}.down_proj.weight"], {"e": r"\d+"}),
+    ("mlp.shared_experts.linear_fc1.weight", ["mlp.shared_experts.gate_proj.weight",
+                                               "mlp.shared_experts.up_proj.weight"], {}),
+    ("mlp.shared_experts.linear_fc2.weight", ["mlp.shared_experts.down_proj.weight"], {}),
 ]
+_MTP_TABLE = [  # the MTP layer's own modules (its transformer layer maps like a decoder layer)
+    ("{n}.weight", ["{n}.weight"], {"n": "enorm|hnorm|eh_proj"}),
+    ("final_layernorm.weight", ["shared_head.norm.weight"], {}),
+]
+_FIXED = {
+    "embedding.word_embeddings.weight": LM + "embed_tokens.weight",
+    "final_layernorm.weight": LM + "norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
 
-_MTP_RULES = [
-    (r"(enorm|hnorm|eh_proj)\.weight", ["{0}.weight"]),
-    (r"final_layernorm\.weight", ["shared_head.norm.weight"]),
-]
+
+def _regex(template: str, groups: dict) -> "re.Pattern":
+    r"""``"mlp.experts.{e}.x"`` + ``{"e": r"\d+"}`` -> ``mlp\.experts\.(?P<e>\d+)\.x`` (literal parts escaped)."""
+    out, pos = [], 0
+    for m in re.finditer(r"\{(\w+)\}", template):
+        out.append(re.escape(template[pos:m.start()]))
+        out.append(f"(?P<{m.group(1)}>{groups[m.group(1)]})")
+        pos = m.end()
+    out.append(re.escape(template[pos:]))
+    return re.compile("".join(out))
+
+
+def _compile(table):
+    """(forward rules [(megatron regex, HF templates)], inverse rules [(HF regex, megatron template, part, parts)])."""
+    fwd = [(_regex(mc, g), hf) for mc, hf, g in table]
+    inv = [(_regex(h, g), mc, j, len(hf)) for mc, hf, g in table for j, h in enumerate(hf)]
+    return fwd, inv
+
+
+_LAYER_FWD, _LAYER_INV = _compile(_LAYER_TABLE)
+_MTP_FWD, _MTP_INV = _compile(_MTP_TABLE)
+_FIXED_INV = {v: k for k, v in _FIXED.items()}
 
 # megatron-side state that has no HF counterpart (runtime statistics, not weights)
 NON_PERSISTENT_MCORE = (re.compile(r".*mlp\.router\.local_tokens_per_expert$"), re.compile(r".*\._extra_state$"))
@@ -63,106 +92,76 @@ NON_PERSISTENT_MCORE = (re.compile(r".*mlp\.router\.local_tokens_per_expert$"), 
 MTP_SHARED_HF = re.compile(r"^model\.language_model\.layers\.\d+\.(shared_head\.head\.weight|embed_tokens\.weight)$")
 
 
-def _map_layer(rest: str) -> Optional[List[str]]:
-    for pat, tmpl in _LAYER_RULES:
-        m = re.fullmatch(pat, rest)
+def _forward(rules, rest: str) -> Optional[List[str]]:
+    for pat, tmpl in rules:
+        m = pat.fullmatch(rest)
         if m:
-            return [t.format(*m.groups()) for t in tmpl]
+            return [t.format(**m.groupdict()) for t in tmpl]
+    return None
+
+
+def _inverse(rules, rest: str) -> Optional[Tuple[str, int, int]]:
+    for pat, tmpl, part, parts in rules:
+        m = pat.fullmatch(rest)
+        if m:
+            return tmpl.format(**m.groupdict()), part, parts
     return None
 
 
 def mcore_to_hf(name: str, num_layers: int) -> List[str]:
     """Canonical megatron name -> HF key(s). Two keys mean [gate; up] concatenated along dim 0."""
-    fixed = {
-        "embedding.word_embeddings.weight": [LM + "embed_tokens.weight"],
-        "final_layernorm.weight": [LM + "norm.weight"],
-        "output_layer.weight": ["lm_head.weight"],
-    }
-    if name in fixed:
-        return fixed[name]
+    if name in _FIXED:
+        return [_FIXED[name]]
     if name.startswith("vision_model."):
         return ["model.visual." + name[len("vision_model."):]]
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
     if m:
-        hf = _map_layer(m.group(2))
+        hf = _forward(_LAYER_FWD, m.group(2))
         if hf is not None:
             return [f"{LM}layers.{m.group(1)}.{h}" for h in hf]
     m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", name)
     if m:
-        idx = num_layers + int(m.group(1))
         rest = m.group(2)
         if rest.startswith("transformer_layer."):
-            hf = _map_layer(rest[len("transformer_layer."):])
+            hf = _forward(_LAYER_FWD, rest[len("transformer_layer."):])
         else:
-            hf = None
-            for pat, tmpl in _MTP_RULES:
-                mm = re.fullmatch(pat, rest)
-                if mm:
-                    hf = [t.format(*mm.groups()) for t in tmpl]
+            hf = _forward(_MTP_FWD, rest)
         if hf is not None:
-            return [f"{LM}layers.{idx}.{h}" for h in hf]
+            return [f"{LM}layers.{num_layers + int(m.group(1))}.{h}" for h in hf]
     raise KeyError(f"no HF key for megatron parameter {name!r}")
 
 
 def hf_to_mcore(hf_name: str, num_layers: int, mtp_layers: int = 0) -> Optional[Tuple[str, int, int]]:
     """HF key -> (canonical megatron name, part index, number of parts) or None for keys the model does not use
-    (MTP weights when the config has no MTP layer, MTP duplicates of shared weights, FP8 scales)."""
+    (MTP weights when the config has no MTP layer, MTP duplicates of shared weights, FP8 scales). The inverse of
+    :func:`mcore_to_hf`, compiled from the same table."""
     if hf_name.endswith("weight_scale_inv") or MTP_SHARED_HF.match(hf_name):
         return None
-    m = re.fullmatch(r"model\.language_model\.layers\.(\d+)\.(.+)", hf_name)
-    if m and int(m.group(1)) >= num_layers:
-        k = int(m.group(1)) - num_layers
-        if k >= mtp_layers:
-            return None
-    for cand in _candidate_mcore_names(hf_name, num_layers):
-        hf = mcore_to_hf(cand, num_layers)
-        if hf_name in hf:
-            return cand, hf.index(hf_name), len(hf)
-    raise KeyError(f"no megatron parameter for HF key {hf_name!r}")
-
-
-def _candidate_mcore_names(hf_name: str, num_layers: int) -> List[str]:
-    simple = {LM + "embed_tokens.weight": "embedding.word_embeddings.weight", LM + "norm.weight": "final_layernorm.weight",
-              "lm_head.weight": "output_layer.weight"}
-    if hf_name in simple:
-        return [simple[hf_name]]
-    if hf_name.startswith("model.visual."):
-        return ["vision_model." + hf_name[len("model.visual."):]]
-    m = re.fullmatch(r"model\.language_model\.layers\.(\d+)\.(.+)", hf_name)
-    if not m:
-        return []
-    i, rest = int(m.group(1)), m.group(2)
-    inverse = [
-        (r"hc_attn_(fn|base|scale)", "attn_hc.{0}"), (r"hc_ffn_(fn|base|scale)", "ffn_hc.{0}"),
-        (r"input_layernorm\.weight", "input_layernorm.weight"),
-        (r"post_attention_layernorm\.weight", "pre_mlp_layernorm.weight"),
-        (r"self_attn\.([qkv]_conv1d)\.weight", "self_attention.{0}"),
-        (r"self_attn\.(.+)", "self_attention.{0}"),
-        (r"mlp\.(?:gate|up)_proj\.weight", "mlp.linear_fc1.weight"), (r"mlp\.down_proj\.weight", "mlp.linear_fc2.weight"),
-        (r"mlp\.gate\.weight", "mlp.router.weight"), (r"mlp\.gate\.e_score_correction_bias", "mlp.router.expert_bias"),
-        (r"mlp\.experts\.(\d+)\.(?:gate|up)_proj\.weight", "mlp.experts.local_experts.{0}.linear_fc1.weight"),
-        (r"mlp\.experts\.(\d+)\.down_proj\.weight", "mlp.experts.local_experts.{0}.linear_fc2.weight"),
-        (r"mlp\.shared_experts\.(?:gate|up)_proj\.weight", "mlp.shared_experts.linear_fc1.weight"),
-        (r"mlp\.shared_experts\.down_proj\.weight", "mlp.shared_experts.linear_fc2.weight"),
-    ]
-    layer_rest = None
-    for pat, tmpl in inverse:
-        mm = re.fullmatch(pat, rest)
-        if mm:
-            layer_rest = tmpl.format(*mm.groups())
-            break
-    if i < num_layers:
-        return [f"decoder.layers.{i}.{layer_rest}"] if layer_rest else []
-    k = i - num_layers
-    out = []
-    if layer_rest:
-        out.append(f"mtp.layers.{k}.transformer_layer.{layer_rest}")
-    mm = re.fullmatch(r"(enorm|hnorm|eh_proj)\.weight", rest)
-    if mm:
-        out.append(f"mtp.layers.{k}.{mm.group(1)}.weight")
-    if rest == "shared_head.norm.weight":
-        out.append(f"mtp.layers.{k}.final_layernorm.weight")
-    return out
+    found = None
+    if hf_name in _FIXED_INV:
+        found = (_FIXED_INV[hf_name], 0, 1)
+    elif hf_name.startswith("model.visual."):
+        found = ("vision_model." + hf_name[len("model.visual."):], 0, 1)
+    else:
+        m = re.fullmatch(r"model\.language_model\.layers\.(\d+)\.(.+)", hf_name)
+        if m:
+            i, rest = int(m.group(1)), m.group(2)
+            if i < num_layers:
+                inv = _inverse(_LAYER_INV, rest)
+                found = inv and (f"decoder.layers.{i}.{inv[0]}", inv[1], inv[2])
+            elif i - num_layers >= mtp_layers:
+                return None
+            else:
+                k = i - num_layers
+                inv = _inverse(_MTP_INV, rest)
+                if inv is not None:
+                    found = (f"mtp.layers.{k}.{inv[0]}", inv[1], inv[2])
+                else:
+                    inv = _inverse(_LAYER_INV, rest)
+                    found = inv and (f"mtp.layers.{k}.transformer_layer.{inv[0]}", inv[1], inv[2])
+    if not found:
+        raise KeyError(f"no megatron parameter for HF key {hf_name!r}")
+    return found
 
 
 # HF keys the reference keeps in fp32 in every checkpoint it writes (transformers' _keep_in_fp32_modules_strict)

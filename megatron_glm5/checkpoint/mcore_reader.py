@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import warnings
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_glm5.checkpoint.checksums import verify_manifest
+from megatron_glm5.checkpoint.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_keys import canonical_name, is_fp32_island_hf, is_non_persistent, mcore_to_hf
+from megatron_glm5.checkpoint.safe_load import SafeFileSystemReader
+from megatron_glm5.checkpoint.safetensors_io import nbytes
 
 HF_CONFIG_FILE = "hf_config.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -44,7 +46,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_PREFIXES = ("embedding.", "vision_model.", "decoder.", "final_layernorm.", "output_layer.", "mtp.")
 
 
-class McoreCheckpointError(RuntimeError):
+class McoreCheckpointError(CheckpointError):
     """A directory that is not a readable torch_dist checkpoint of the configured model (message is one line)."""
 
 
@@ -57,9 +59,12 @@ def resolve_checkpoint_dir(path: str) -> str:
         return path
     tracker = os.path.join(path, TRACKER_FILE)
     if os.path.exists(tracker):
-        with open(tracker) as fh:
-            it = fh.read().strip()
-        sub = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+        try:
+            with open(tracker) as fh:
+                it = fh.read(64).strip()
+            sub = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+        except (OSError, UnicodeDecodeError, ValueError):
+            raise McoreCheckpointError(f"{tracker}: not an iteration number or 'release'") from None
         if os.path.isdir(sub):
             return sub
         raise McoreCheckpointError(f"{path}: {TRACKER_FILE} names iteration {it} but {sub} does not exist")
@@ -136,22 +141,6 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {_one_line(e)}" if msg else type(e).__name__
 
 
-def _ensure_single_process_parallel_state():
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        from megatron_glm5.initialize import initialize_megatron
-
-        initialize_megatron()
-        return
-    sizes = (parallel_state.get_tensor_model_parallel_world_size(),
-             parallel_state.get_pipeline_model_parallel_world_size(),
-             parallel_state.get_expert_model_parallel_world_size())
-    if sizes != (1, 1, 1) or torch.distributed.get_world_size() != 1:
-        raise McoreCheckpointError(f"the reader needs a single process at TP=PP=EP=1 (got TP/PP/EP {sizes}, "
-                                   f"world size {torch.distributed.get_world_size()}); run it in its own process")
-
-
 # ---------------------------------------------------------------------------------------------------- entries
 @dataclasses.dataclass
 class McoreTensor:
@@ -181,6 +170,7 @@ class McoreCheckpointReader:
     def __init__(self, load_dir: str, hf_config: Union[None, dict, str] = None):
         self.load_dir = resolve_checkpoint_dir(load_dir)
         check_torch_dist(self.load_dir)
+        verify_manifest(self.load_dir)  # a flipped byte anywhere is an error, not wrong weights
         if hf_config is None or isinstance(hf_config, str):
             hf_config = read_hf_config(self.load_dir, hf_config)
         elif not isinstance(hf_config, dict):  # a Glm5Config
@@ -198,25 +188,20 @@ class McoreCheckpointReader:
     # -------------------------------------------------------------------------------------------- setup
     @staticmethod
     def _build_meta_model(hf_config: dict):
-        from megatron_glm5.config import Glm5Config, Glm5ConfigError
+        from megatron_glm5.config import Glm5ConfigError
         from megatron_glm5.models.builder import build_meta_model
 
         try:
-            cfg = Glm5Config.from_hf(hf_config, use_cpu_initialization=True, perform_initialization=False,
-                                     params_dtype=torch.bfloat16, kda_backend="torch", dsa_backend="torch")
+            model = build_meta_model(hf_config, torch.bfloat16, parallel_output=False)
         except (Glm5ConfigError, TypeError, ValueError, KeyError) as e:
             raise McoreCheckpointError(f"invalid HF config: {_one_line(e)}") from None
-        _ensure_single_process_parallel_state()
-        return cfg, build_meta_model(cfg, parallel_output=False)
+        return model.config, model
 
     def _read_ckpt_metadata(self):
         try:
             md = self._storage_reader().read_metadata()
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # noqa: BLE001 - any unpickling / IO failure means a broken checkpoint
-            raise McoreCheckpointError(f"{self.load_dir}: cannot read the torch_dist .metadata "
-                                       f"({_root_cause(e)})") from None
+        except CheckpointError as e:
+            raise McoreCheckpointError(f"cannot read the torch_dist .metadata: {e}") from None
         return md.state_dict_metadata
 
     def _collect(self) -> List[McoreTensor]:
@@ -337,7 +322,7 @@ class McoreCheckpointReader:
 
     def _storage_reader(self):
         if self._reader is None:
-            self._reader = _CachedMetadataReader(self.load_dir)
+            self._reader = SafeFileSystemReader(self.load_dir)
         return self._reader
 
     def iter_hf_tensors(self, keys: Optional[Sequence[str]] = None, dtype: Optional[torch.dtype] = torch.bfloat16,
@@ -362,19 +347,6 @@ class McoreCheckpointReader:
                         part = part.to(hf_dtype(k, dtype))
                     yield k, part.contiguous()
                 del full
-
-
-class _CachedMetadataReader(FileSystemReader):
-    """torch DCP FileSystemReader that reads the global ``.metadata`` once (torch_dist has no per-rank files)."""
-
-    _md = None
-
-    def read_metadata(self, *args, **kwargs):
-        if kwargs.get("rank") is not None:
-            raise FileNotFoundError("torch_dist checkpoints have no per-rank metadata")
-        if self._md is None:
-            self._md = super().read_metadata()
-        return self._md
 
 
 class _RegionLoadPlanner(LoadPlanner):
@@ -448,10 +420,6 @@ def _flat_values(x) -> list:
     if isinstance(x, (list, tuple)):
         return [v for val in x for v in _flat_values(val)]
     return [x]
-
-
-def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def batch_by_bytes(tensors: List[McoreTensor], max_bytes: int) -> Iterator[List[McoreTensor]]:

@@ -2,8 +2,9 @@
 
 A micro-batch is one packed row (``b = 1``, THD, as ``data/collate.py`` lays it out): ``{tokens [1, s],
 labels [1, s], loss_mask [1, s], any other per-token [1, s] entry, cu_seqlens [n_docs + 1] (optional: one document),
-pixel_values / image_grid_thw (optional: the row's images)}``. :func:`split_batch_for_cp` pads the row and returns CP rank ``r``'s contiguous chunk
-plus the :class:`~megatron_glm5.models.context_parallel.ContextParallelPackedSeqParams` the model needs.
+pixel_values / image_grid_thw (optional: the row's images)}``. :func:`split_batch_for_cp` pads the row and returns CP
+rank ``r``'s contiguous chunk plus the :class:`~megatron_glm5.models.context_parallel.ContextParallelPackedSeqParams`
+the model needs.
 
 Why contiguous chunks: with ``cp`` contiguous chunks of a causal model the last rank has the most keys to attend
 to, so the work is not balanced (megatron's load-balanced cut gives rank ``r`` chunks ``r`` and ``2 cp - 1 - r``).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -16,15 +16,6 @@ from megatron_glm5.config import Glm5Config
 # imported here, not lazily: a first import under ``with torch.device("meta")`` would create megatron's module-level
 # tensors (MTPLossAutoScaler.main_loss_backward_scale) on the meta device
 from megatron_glm5.models.model import Glm5Model
-
-
-def _ensure_parallel_state():
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        from megatron_glm5.initialize import initialize_megatron
-
-        initialize_megatron()
 
 
 def default_backends(device: str) -> dict:
@@ -81,34 +72,52 @@ def ensure_tp_attributes(model: torch.nn.Module) -> None:
 
 
 def build_model_from_hf(hf_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        parallel_output: bool = False, **overrides):
+                        parallel_output: bool = False, log: Optional[Callable[[str], None]] = None, **overrides):
     """Config from ``hf_dir/config.json``, model built on ``device`` in ``dtype`` (fp32 islands kept), HF weights
-    loaded (FP8 dequantised). Single process unless megatron parallel state is already initialised."""
-    from megatron_glm5.checkpoint.hf_io import load_hf_checkpoint
+    loaded (FP8 dequantised). Single process unless megatron parallel state is already initialised.
 
-    _ensure_parallel_state()
+    A checkpoint without MTP weights whose config declares MTP (transformers' ``save_pretrained`` writes no MTP
+    weights) builds the model without MTP; the notice goes to ``log``."""
+    from megatron_glm5.checkpoint.hf_io import HFCheckpointReader, load_hf_checkpoint, mtp_notice
+    from megatron_glm5.initialize import ensure_initialized
+
+    ensure_initialized()
     kw = dict(default_backends(device))
     kw.update(use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.float32)
     kw.update(overrides)
     cfg = Glm5Config.from_hf(hf_dir, **kw)
+    reader = HFCheckpointReader(hf_dir)
+    notice = mtp_notice(hf_dir, cfg, reader)
+    if notice is not None:
+        if log is not None:
+            log(notice)
+        cfg = Glm5Config.from_hf(hf_dir, **{**kw, "mtp_num_layers": None})
     if dtype == torch.bfloat16:
         cfg.bf16 = True
     model = build_model(cfg, parallel_output=parallel_output)
-    load_hf_checkpoint(model, hf_dir)
+    load_hf_checkpoint(model, hf_dir, reader=reader)
     model.to_dtype(dtype)
     model.to(device)
     model.eval()
     return model
 
 
-def build_meta_model(config: Glm5Config, **kwargs):
-    """The model with every tensor on the meta device: its ``sharded_state_dict()`` gives the exact checkpoint
-    structure (keys, global shapes, expert axes, factories) at no memory cost (~3 s for the 321B model).
+def build_meta_model(config, params_dtype: torch.dtype = torch.bfloat16, parallel_output: bool = True,
+                     **overrides):
+    """The TP=PP=EP=1 model with every tensor on the meta device: its ``sharded_state_dict()`` gives the exact
+    checkpoint structure (keys, global shapes, expert axes, factories) at no memory cost (~3 s for the 321B model).
 
-    Everything the build imports is imported before entering the meta context, so module-level tensors created at
-    import time (megatron's ``MTPLossAutoScaler.main_loss_backward_scale``) stay real.
+    ``config``: a Glm5Config, or an HF checkpoint dir / config.json path / dict (then built with ``params_dtype``,
+    no initialisation, torch backends, ``overrides`` applied). A single-process parallel state is created
+    when there is none. Everything the build imports is imported before entering the meta context, so module-level
+    tensors created at import time (megatron's ``MTPLossAutoScaler.main_loss_backward_scale``) stay real.
     """
     import megatron_glm5.models.vision  # noqa: F401  (imported lazily by Glm5Model)
+    from megatron_glm5.initialize import ensure_initialized
 
+    if not isinstance(config, Glm5Config):
+        config = Glm5Config.from_hf(config, use_cpu_initialization=True, perform_initialization=False,
+                                    params_dtype=params_dtype, kda_backend="torch", dsa_backend="torch", **overrides)
+    ensure_initialized(require_tp1=True, who="the meta-device model build")
     with torch.device("meta"):
-        return build_model(config, **kwargs)
+        return build_model(config, parallel_output=parallel_output)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from megatron_glm5.models.packing import document_ids, row_cu_seqlens
+from megatron_glm5.models.packing import row_cu_seqlens
 
 __all__ = [
     "ContextParallelPackedSeqParams",

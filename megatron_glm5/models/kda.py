@@ -41,7 +41,8 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
-from megatron_glm5.models.norms import linear_output, param_device
+from megatron_glm5.models.linear import linear_output
+from megatron_glm5.models.params import param_device
 from megatron_glm5.config import Glm5Config
 from megatron_glm5.models.packing import document_starts, row_cu_seqlens
 from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout

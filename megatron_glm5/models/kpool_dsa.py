@@ -56,8 +56,9 @@ from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence
-from megatron_glm5.models.kpool_indexer import KPoolIndexer, ReplicatedLinear
-from megatron_glm5.models.norms import RMSNorm, linear_output
+from megatron_glm5.models.kpool_indexer import KPoolIndexer
+from megatron_glm5.models.linear import ReplicatedLinear, linear_output
+from megatron_glm5.models.norms import RMSNorm
 
 __all__ = [
     "RMSNorm",

@@ -34,54 +34,20 @@ with a separate objective, if at all).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence, sequence_layout
+from megatron_glm5.models.linear import ReplicatedLinear
 from megatron_glm5.models.packing import document_ids, document_starts
+from megatron_glm5.models.params import mark_replicated, param_device
 
-__all__ = ["ReplicatedLinear", "KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]
-
-
-from megatron_glm5.models.norms import param_device as _param_device  # noqa: E402
-
-
-def mark_replicated(module: torch.nn.Module) -> None:
-    """Tag every parameter of ``module`` as *not* tensor-parallel (replicated on all TP ranks).
-
-    megatron-core reads ``tensor_model_parallel = False`` to count the parameter once in the grad norm, and its
-    default ``sharded_state_dict`` saves such tensors as TP replicas.
-    """
-    for p in module.parameters(recurse=True):
-        set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-
-
-class ReplicatedLinear(torch.nn.Linear):
-    """A bias-free ``torch.nn.Linear`` replicated over tensor parallelism (``y = x W^T``; ``weight [out, in]``).
-
-    Built like a megatron linear (``config``, ``init_method``) so it can sit in a ``ModuleSpec``. Returns a tensor,
-    not an ``(output, bias)`` tuple.
-    """
-
-    def __init__(self, input_size: int, output_size: int, *, config=None, init_method: Optional[Callable] = None,
-                 bias: bool = False, **_unused):
-        dtype = config.params_dtype if config is not None else None
-        device = _param_device(config) if config is not None else None
-        super().__init__(input_size, output_size, bias=bias, device=device, dtype=dtype)
-        if init_method is None and config is not None:
-            init_method = config.init_method
-        if init_method is not None and (config is None or config.perform_initialization):
-            with torch.no_grad():
-                init_method(self.weight)
-                if self.bias is not None:
-                    self.bias.zero_()
-        mark_replicated(self)
+__all__ = ["KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]
 
 
 def kpool_pool_layout(cu_seqlens: torch.Tensor, kpool: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +117,7 @@ class KPoolIndexer(MegatronModule):
         if self.index_topk % self.kpool:
             raise ValueError(f"index_topk {self.index_topk} is not divisible by index_kpool {self.kpool}")
 
-        device, dtype = _param_device(config), config.params_dtype
+        device, dtype = param_device(config), config.params_dtype
         init = config.init_method
         self.wq_b = ReplicatedLinear(self.q_lora_rank, self.n_heads * self.head_dim, config=config, init_method=init)
         self.wk = ReplicatedLinear(self.hidden_size, self.head_dim, config=config, init_method=init)

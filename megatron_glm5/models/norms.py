@@ -8,19 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def linear_output(y):
-    """The output tensor of a linear (megatron's parallel linears return ``(output, bias)``, torch's a tensor)."""
-    return y[0] if isinstance(y, tuple) else y
-
-
-def param_device(config):
-    """Where megatron-style modules allocate parameters: the current CUDA device, or ``None`` (torch's default
-    device, the CPU unless a ``with torch.device(...)`` context, e.g. ``"meta"``, says otherwise) with
-    ``use_cpu_initialization`` or without CUDA."""
-    if config is None or getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
-        return None
-    return torch.device("cuda", torch.cuda.current_device())
+from megatron_glm5.models.params import param_device
 
 
 class RMSNorm(nn.Module):

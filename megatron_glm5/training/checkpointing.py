@@ -25,19 +25,19 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_glm5.checkpoint.atomic import OLD_TAG, publish_dir, write_text_atomic
+# a checkpoint this run cannot use (missing, of another architecture, unreadable): the package's one error class
+from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.checkpoint.safe_load import check_dist_checkpoint
 from megatron_glm5.training.model_setup import unwrap_model
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "hf_config.json"
 ARGS_FILE = "run_args.json"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used by this run (missing, of another architecture, unreadable)."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -152,28 +152,10 @@ def _full_state(model, optimizer, scheduler, iteration, consumed, args, with_opt
 
 
 # ---------------------------------------------------------------------------- save
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
 def _remove_stale_temporaries(root: str) -> List[str]:
     removed = []
     for name in sorted(os.listdir(root)):
-        if name.startswith("iter_") and ".tmp-" in name:
+        if (name.startswith("iter_") and ".tmp-" in name) or (name.startswith(".iter_") and OLD_TAG in name):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(name)
     return removed
@@ -213,16 +195,8 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed: dict,
             for f in files:
                 with open(os.path.join(dirpath, f), "rb") as fh:
                     os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): swap, then drop the old one
-            old = f"{final}.tmp-old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-        _write_text_atomic(os.path.join(root, TRACKER), f"{iteration}\n")
+        publish_dir(tmp, final)  # re-saving an iteration (e.g. after a resume) swaps, then drops the old one
+        write_text_atomic(os.path.join(root, TRACKER), f"{iteration}\n")
     dist.barrier()
     return final
 
@@ -251,6 +225,7 @@ def load_checkpoint(model, optimizer, scheduler, args, hf_config: dict, log=prin
             raise CheckpointError(f"--load: no checkpoint in {args.load} to fine-tune from")
         return 0, consumed
     check_architecture(ckpt, hf_config)
+    check_dist_checkpoint(ckpt)  # no code from its .metadata, checksums verified when it has a manifest
 
     if finetune:
         state = dist_checkpointing.load(_model_sharded_state_dict(model), ckpt)

@@ -65,7 +65,8 @@ def get_optimizer(model: List[torch.nn.Module], config, args, timers=None):
     distributed optimizer with --use-distributed-optimizer)."""
     opt_config = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
         bf16=config.bf16, params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=True, timers=timers)
     # the fp32 islands get param groups of their own: megatron-core 0.16.1's mixed-precision optimizers pair fp32

@@ -1,0 +1,216 @@
+"""Saving a megatron-core torch_dist checkpoint whose tensors are produced while they are written.
+
+megatron-core's ``dist_checkpointing.save`` writes ``common.pt``, ``metadata.json`` and the ShardedObjects itself; the
+sharded part goes through :class:`StreamingTorchDistSaveStrategy`, a public ``SaveShardedStrategy`` that translates
+the ShardedTensors with megatron's public ``mcore_to_pyt_state_dict`` (same format as megatron's torch_dist
+strategy) and saves them with torch DCP, using megatron's ``MCoreSavePlanner`` (subclassed so data comes from
+:class:`LazyTensors`) and :class:`ParallelStreamWriter`:
+
+* ``threads`` files per rank (``__{rank}_{i}.distcp``) are written concurrently, one thread each; every thread
+  produces (reads, dequantises, checks, casts) the next tensor of its file and writes it at once, so reading,
+  conversion and writing overlap and peak memory stays a few tensors. (megatron's async FileSystemWriterAsync
+  stages every tensor in memory first; torch's FileSystemWriter keeps every written tensor of a file.)
+* each file's SHA-256 is computed while it is written (for the checksum manifest).
+
+Only megatron-core's public API is used. The records are written with torch's ``filesystem._write_item`` (the one
+non-public call: it is the record format of torch's own FileSystemWriter, so the files stay byte-compatible).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import threading
+from collections import defaultdict
+from typing import Callable, Dict, Optional
+
+import torch.distributed as dist
+
+from megatron_glm5.checkpoint.checksums import HashingFile
+from megatron_glm5.checkpoint.lazy_sources import LazyTensors, TensorSource, prepare_sharded_state_dict
+
+
+def _planner_cls():
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class LazySavePlanner(MCoreSavePlanner):
+        """MCoreSavePlanner whose tensors are produced by :class:`LazyTensors` when the writer asks for them."""
+
+        def __init__(self, lazy: LazyTensors, on_bytes: Optional[Callable[[int], None]] = None):
+            super().__init__(dedup_replicated_tensors=False, flatten_state_dict=False)
+            self.lazy = lazy
+            self.on_bytes = on_bytes
+            self.error: Optional[BaseException] = None
+            self.bytes_written = 0
+            self._lock = threading.Lock()
+
+        def create_global_plan(self, all_plans):
+            # megatron's async saver records the gathered local plans in the metadata (for cached-plan reuse)
+            plans, metadata = super().create_global_plan(all_plans)
+            metadata.all_local_plans = all_plans
+            return plans, metadata
+
+        def resolve_data(self, write_item):
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            try:
+                idx = write_item.index
+                t = self.lazy.produce(idx.fqn, tuple(idx.offset))
+                t = t.reshape(tuple(write_item.tensor_data.chunk.sizes))
+                want = write_item.tensor_data.properties.dtype
+                if t.dtype != want:
+                    raise RuntimeError(f"{idx.fqn}: produced {t.dtype}, planned {want}")
+            except BaseException as e:  # noqa: BLE001 - remembered so the caller sees the original error
+                with self._lock:
+                    if self.error is None:
+                        self.error = e
+                raise
+            n = t.nbytes
+            with self._lock:
+                self.bytes_written += n
+            if self.on_bytes is not None:
+                self.on_bytes(n)
+            return t
+
+    return LazySavePlanner
+
+
+def _writer_cls():
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.futures import Future
+
+    class ParallelStreamWriter(FileSystemWriter):
+        """torch's FileSystemWriter writing its ``thread_count`` files concurrently, each strictly one item at a
+        time (the tensor dropped right after), hashing every file as it is written (``digests``)."""
+
+        def __init__(self, path: str, thread_count: int, checkpoint_id: Optional[str] = None):
+            super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
+                             overwrite=True)
+            self.final_id = checkpoint_id
+            self.digests: Dict[str, str] = {}
+            self._abort = threading.Event()  # set by the first failing thread: the others stop at their next item
+
+        def _write_one_file(self, planner, file_name, storage_key, write_items, results):
+            with self.fs.create_stream(file_name, "wb") as raw:
+                stream = HashingFile(raw)
+                for item in [w for w in write_items if w.type == WriteItemType.BYTE_IO]:
+                    results.append(_write_item(self.transforms, stream, planner.resolve_data(item), item,
+                                               storage_key, self.serialization_format))
+                for item in [w for w in write_items if w.type != WriteItemType.BYTE_IO]:
+                    if self._abort.is_set():
+                        return
+                    t = planner.resolve_data(item).detach().cpu()
+                    if t.untyped_storage().size() != t.nbytes:  # a view: save only its own bytes
+                        t = t.clone()
+                    results.append(_write_item(self.transforms, stream, t, item, storage_key,
+                                               self.serialization_format))
+                    del t
+                raw.flush()
+                os.fsync(raw.fileno())
+            self.digests[os.path.basename(str(file_name))] = stream.hexdigest()
+
+        def _write_data(self, planner, file_queue):
+            if self.serialization_format != SerializationFormat.TORCH_SAVE:
+                raise NotImplementedError("only torch_save serialization is streamed")
+            results, errors = [], []
+
+            def work():
+                while not self._abort.is_set():
+                    try:
+                        job = file_queue.get_nowait()
+                    except queue_mod.Empty:
+                        return
+                    try:
+                        self._write_one_file(planner, *job, results)
+                    except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+                        errors.append(e)
+                        self._abort.set()
+
+            threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, self.thread_count) - 1)]
+            for th in threads:
+                th.start()
+            work()
+            for th in threads:
+                th.join()
+            if errors:
+                raise errors[0]
+            fut = Future()
+            fut.set_result(results)
+            return fut
+
+        def storage_meta(self):
+            meta = super().storage_meta()
+            if self.final_id is not None:  # the final directory, not the temporary one being written
+                meta.checkpoint_id = self.final_id
+            return meta
+
+    return ParallelStreamWriter
+
+
+def _group_by_sharded_key(sharded_state_dict) -> Dict[str, list]:
+    """ShardedTensors / ShardedObjects of this rank's main replicas, grouped by their checkpoint key."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+
+    out = defaultdict(list)
+    for sh in nested_values(sharded_state_dict):
+        if is_main_replica(sh.replica_id):
+            out[sh.unique_key if isinstance(sh, ShardedObject) else sh.key].append(sh)
+    return dict(out)
+
+
+def _strategy_cls():
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import mcore_to_pyt_state_dict
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class StreamingTorchDistSaveStrategy(SaveShardedStrategy):
+        """megatron's torch_dist format (same translation to DCP) written by :class:`ParallelStreamWriter` with
+        lazily produced tensors."""
+
+        def __init__(self, lazy: LazyTensors, on_bytes, threads: int = 2, checkpoint_id: Optional[str] = None):
+            super().__init__("torch_dist", 1)
+            self.lazy, self.on_bytes, self.threads, self.checkpoint_id = lazy, on_bytes, threads, checkpoint_id
+            self.planner = None
+            self.writer = None
+
+        @property
+        def can_handle_sharded_objects(self):
+            return True
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            pyt_state_dict = mcore_to_pyt_state_dict(_group_by_sharded_key(sharded_state_dict), False)
+            self.writer = _writer_cls()(str(checkpoint_dir), self.threads, self.checkpoint_id)
+            self.planner = _planner_cls()(self.lazy, self.on_bytes)
+            try:
+                dcp_save(pyt_state_dict, storage_writer=self.writer, planner=self.planner)
+            except BaseException:
+                if self.planner.error is not None:
+                    raise self.planner.error from None
+                raise
+
+    return StreamingTorchDistSaveStrategy
+
+
+def save_streaming(model, sources: Dict[str, TensorSource], reader, out_dir: str,
+                   on_bytes: Optional[Callable[[int], None]] = None, final_dir: Optional[str] = None,
+                   threads: int = 2) -> Dict:
+    """Write the torch_dist checkpoint of ``model`` (meta, TP1) from ``reader`` into the existing empty ``out_dir``
+    (``final_dir``: where it will be moved, recorded as the DCP checkpoint id). Collective over the default process
+    group (each rank writes the tensors it owns, in ``threads`` files). Returns byte counts and the SHA-256 of each
+    file this rank wrote."""
+    from megatron.core import dist_checkpointing
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ssd, lazy, mine, total = prepare_sharded_state_dict(model, sources, reader, rank, world)
+    strategy = _strategy_cls()(lazy, on_bytes, threads, final_dir)
+    dist_checkpointing.save(ssd, out_dir, sharded_strategy=strategy, validate_access_integrity=True)
+    written = strategy.planner.bytes_written if strategy.planner else 0
+    if written != mine:
+        raise RuntimeError(f"rank {rank} wrote {written} tensor bytes, expected {mine}")
+    return {"bytes": written, "hf_reads": lazy.hf_reads, "total_bytes": total,
+            "digests": dict(strategy.writer.digests) if strategy.writer else {}}
+

@@ -1,0 +1,175 @@
+"""Reading checkpoint files without running code taken from them.
+
+torch's distributed checkpoint (DCP, megatron-core's ``torch_dist`` format) stores its global index as a pickle
+(``.metadata``); ``pickle.load`` of a crafted file runs arbitrary code. :func:`load_dcp_metadata` unpickles it with
+an unpickler that admits only the classes DCP metadata is made of (the ``torch.distributed.checkpoint`` metadata
+and planner dataclasses, ``torch.Size``, dtypes, layouts, memory formats, ``pathlib`` paths) and refuses anything
+else with one line, then checks that every storage file the index names is a plain file name inside the
+checkpoint directory. Tensor files are read with ``torch.load(weights_only=True)`` (:func:`torch_load_weights_only`).
+
+    md = load_dcp_metadata(ckpt_dir)              # raises UnsafeCheckpointError / CheckpointError, one line
+    reader = SafeFileSystemReader(ckpt_dir)       # a torch DCP FileSystemReader reading .metadata this way
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+
+DCP_METADATA_FILE = ".metadata"
+_MAX_METADATA_BYTES = 1 << 30
+
+# (module, name) of every class a torch DCP / megatron-core torch_dist .metadata pickle refers to
+_DCP = "torch.distributed.checkpoint"
+ALLOWED_GLOBALS = frozenset({
+    (f"{_DCP}.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    (f"{_DCP}.planner", n) for n in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType",
+        "BytesIOWriteData")
+} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+})
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that asks to load something other than plain checkpoint metadata."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, fh, path: str):
+        super().__init__(fh)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":  # dtypes (torch.bfloat16), layouts (torch.strided), memory formats
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        raise UnsafeCheckpointError(f"{self.path}: refused to load {module}.{name} (not a class of torch "
+                                    "distributed-checkpoint metadata; the file may be crafted to run code)")
+
+    def persistent_load(self, pid):
+        raise UnsafeCheckpointError(f"{self.path}: persistent ids are not allowed in checkpoint metadata")
+
+
+def restricted_unpickle(data: bytes, path: str):
+    """Unpickle ``data`` admitting only :data:`ALLOWED_GLOBALS` (plus torch dtypes, layouts, memory formats)."""
+    return _RestrictedUnpickler(io.BytesIO(data), path).load()
+
+
+def load_dcp_metadata(path: str):
+    """The ``torch.distributed.checkpoint.metadata.Metadata`` of a DCP / torch_dist checkpoint, read safely.
+
+    ``path``: the checkpoint directory or its ``.metadata`` file. Raises :class:`UnsafeCheckpointError` for a class
+    outside the allow-list and :class:`CheckpointError` for an unreadable or malformed file or a storage file name
+    that is not a plain name inside the directory (``../x``, ``/abs``, a symlink out). Both are one line."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    mpath = os.path.join(path, DCP_METADATA_FILE) if os.path.isdir(path) else path
+    ckpt_dir = os.path.dirname(os.path.abspath(mpath))
+    try:
+        with open(mpath, "rb") as fh:
+            data = fh.read(_MAX_METADATA_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{mpath}: cannot read ({one_line(e)})") from None
+    if len(data) > _MAX_METADATA_BYTES:
+        raise CheckpointError(f"{mpath}: larger than {_MAX_METADATA_BYTES >> 20} MiB; not DCP metadata")
+    try:
+        md = restricted_unpickle(data, mpath)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated / random bytes: any unpickling failure is a broken file
+        raise CheckpointError(f"{mpath}: not readable torch distributed-checkpoint metadata "
+                              f"({type(e).__name__}: {one_line(e, 200)})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise CheckpointError(f"{mpath}: not torch distributed-checkpoint metadata (holds {type(md).__name__})")
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str):
+            raise CheckpointError(f"{mpath}: a storage entry has no file name")
+        check_inside(ckpt_dir, rel, mpath)
+    return md
+
+
+def check_inside(root: str, rel: str, source: str, also_inside: Optional[str] = None) -> str:
+    """The real path of ``rel`` if it is a relative path that stays inside ``root`` (symlinks resolved; a link may
+    also point into ``also_inside``); otherwise CheckpointError naming ``source`` (the file that named ``rel``)."""
+    if not rel or os.path.isabs(rel) or "\x00" in rel:
+        raise CheckpointError(f"{source}: refers to {rel!r}, not a relative path inside {root}")
+    parts = rel.replace("\\", "/").split("/")
+    if ".." in parts:
+        raise CheckpointError(f"{source}: refers to {rel!r}, outside {root}")
+    real = os.path.realpath(os.path.join(root, rel))
+    for allowed in (root, also_inside):
+        if allowed is not None:
+            real_allowed = os.path.realpath(allowed)
+            if os.path.commonpath([real_allowed, real]) == real_allowed:
+                return real
+    raise CheckpointError(f"{source}: {rel!r} resolves to {real}, outside {root}")
+
+
+def hub_blobs_dir(ckpt_dir: str) -> Optional[str]:
+    """For a Hugging Face hub cache snapshot (``.../models--org--name/snapshots/<rev>``), the repository's
+    ``blobs`` folder its files link into; else None."""
+    d = os.path.abspath(ckpt_dir)
+    if os.path.basename(os.path.dirname(d)) == "snapshots":
+        blobs = os.path.join(os.path.dirname(os.path.dirname(d)), "blobs")
+        return blobs if os.path.isdir(blobs) else None
+    return None
+
+
+def torch_load_weights_only(path: str, what: Optional[str] = None):
+    """``torch.load(path, weights_only=True)`` on the CPU; any failure is one CheckpointError line."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling errors of every kind mean an unusable file
+        raise CheckpointError(f"{what or path}: cannot load ({type(e).__name__}: {one_line(e, 300)})") from None
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch DCP's FileSystemReader, reading the global ``.metadata`` once through :func:`load_dcp_metadata`
+    (torch_dist checkpoints have no per-rank metadata files). Tensor data is read by torch with
+    ``weights_only=True``."""
+
+    _md = None
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:
+            raise FileNotFoundError("torch_dist checkpoints have no per-rank metadata")
+        if self._md is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            md = load_dcp_metadata(str(self.path))
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            self._md = md
+        return self._md
+
+
+def check_dist_checkpoint(path: str):
+    """Vet a torch_dist checkpoint directory before megatron-core's ``dist_checkpointing.load`` (which unpickles
+    ``.metadata`` with plain pickle): its ``checksums.sha256`` matches when there is one, and ``.metadata`` holds only
+    DCP metadata classes with storage files inside the directory. Returns the Metadata; raises one CheckpointError
+    line otherwise."""
+    from megatron_glm5.checkpoint.checksums import verify_manifest
+
+    verify_manifest(path)
+    return load_dcp_metadata(path)
