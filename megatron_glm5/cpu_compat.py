@@ -10,7 +10,12 @@ megatron-core calls a few CUDA-only APIs unconditionally: ``torch.cuda.current_d
 * ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` -> the CPU generator's (megatron's RNG tracker forks
   these for tensor-parallel dropout regions);
 * megatron-core's ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns a list when the tensor already is on
-  the CPU (upstream returns a tensor, which gloo's ``all_to_all_single`` rejects as split sizes).
+  the CPU (upstream returns a tensor, which gloo's ``all_to_all_single`` rejects as split sizes);
+* literal ``device="cuda"`` tensor factories (``torch.zeros(..., device="cuda")`` and friends) in the megatron-core
+  modules of the training path (optimizer, grad clipping, DDP buffers, pipeline schedules, MoE / MTP trackers)
+  create the tensor on the CPU: those modules see a ``torch`` whose factories map a CUDA device to the CPU;
+* ``Tensor.type()`` (no arguments) of a CPU tensor names the CUDA type (``torch.cuda.FloatTensor``): megatron's
+  optimizers dispatch on these names (fp32 vs bf16 params, asserting fp32 grads); dtype checks stay exact.
 
 No math is touched: collectives, kernels and numerics stay the real ones. It is a no-op when CUDA is available,
 and is never called by the GPU training path.
@@ -24,6 +29,69 @@ import logging
 import torch
 
 _ENABLED = False
+
+# megatron-core modules of the training path that create tensors with a literal device="cuda"
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.module",
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor")
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return "cpu"
+    if str(device).startswith("cuda"):
+        return "cpu"
+    return device
+
+
+class _CpuFactoryTorch:
+    """``torch`` as seen by a megatron-core module on a CPU machine: every attribute is torch's own, except the
+    tensor factories, whose CUDA ``device`` argument becomes the CPU."""
+
+    def __init__(self, torch_module):
+        self._torch = torch_module
+
+    def __getattr__(self, name):
+        attr = getattr(self._torch, name)
+        if name in _FACTORIES:
+            def factory(*args, _f=attr, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return _f(*args, **kwargs)
+            return factory
+        return attr
+
+
+def _install_cpu_factories() -> None:
+    import importlib
+
+    proxy = _CpuFactoryTorch(torch)
+    for name in _CUDA_LITERAL_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+
+
+def _install_cuda_type_names() -> None:
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
 
 
 class _InertStream:
@@ -118,4 +186,6 @@ def enable_cpu_compat() -> None:
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _install_cpu_factories()
+    _install_cuda_type_names()
     _ENABLED = True
