@@ -201,6 +201,9 @@ class Glm5Config(MLATransformerConfig):
             self.activation_func_clamp_value = self.swiglu_limit
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             self.pipeline_dtype = self.params_dtype
+        from megatron_glm5.models.parallel_layout import prepare_parallel_layout
+
+        prepare_parallel_layout(self)  # default uneven layout, one-line refusals of layouts that do not divide
         super().__post_init__()
 
     # ------------------------------------------------------------------ validation

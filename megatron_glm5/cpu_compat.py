@@ -9,13 +9,16 @@ megatron-core calls a few CUDA-only APIs unconditionally: ``torch.cuda.current_d
 * ``synchronize`` / ``set_device`` / ``empty_cache`` / nvtx push/pop -> no-ops;
 * ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` -> the CPU generator's (megatron's RNG tracker forks
   these for tensor-parallel dropout regions);
-* megatron-core's ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns a list when the tensor already is on
-  the CPU (upstream returns a tensor, which gloo's ``all_to_all_single`` rejects as split sizes);
+* megatron-core's ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns a numpy array when the tensor already
+  is on the CPU, as upstream does for a CUDA tensor (upstream returns the CPU tensor itself, which gloo's
+  ``all_to_all_single`` rejects as split sizes; the dispatcher also calls ``.tolist()`` on some of them);
 * literal ``device="cuda"`` tensor factories (``torch.zeros(..., device="cuda")`` and friends) in the megatron-core
   modules of the training path (optimizer, grad clipping, DDP buffers, pipeline schedules, MoE / MTP trackers)
   create the tensor on the CPU: those modules see a ``torch`` whose factories map a CUDA device to the CPU;
 * ``Tensor.type()`` (no arguments) of a CPU tensor names the CUDA type (``torch.cuda.FloatTensor``): megatron's
-  optimizers dispatch on these names (fp32 vs bf16 params, asserting fp32 grads); dtype checks stay exact.
+  optimizers dispatch on these names (fp32 vs bf16 params, asserting fp32 grads); dtype checks stay exact;
+* ``Tensor.cuda()`` of a CPU tensor returns the tensor itself (megatron's ``LanguageModule`` moves the embedding
+  copy of the first / last pipeline stage with ``.cuda()`` before all-reducing it).
 
 No math is touched: collectives, kernels and numerics stay the real ones. It is a no-op when CUDA is available,
 and is never called by the GPU training path.
@@ -92,6 +95,17 @@ def _install_cuda_type_names() -> None:
         return original(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = type_
+
+
+def _install_tensor_cuda_stays() -> None:
+    original = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        if self.device.type == "cpu":
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda
 
 
 class _InertStream:
@@ -177,7 +191,7 @@ def enable_cpu_compat() -> None:
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if tensor is not None and as_numpy and tensor.device.type == "cpu":
-            return tensor.tolist()
+            return tensor.numpy()
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
@@ -188,4 +202,5 @@ def enable_cpu_compat() -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     _install_cpu_factories()
     _install_cuda_type_names()
+    _install_tensor_cuda_stays()
     _ENABLED = True
