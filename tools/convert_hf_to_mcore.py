@@ -2,12 +2,15 @@
 """Convert an HF GLM-5.3 checkpoint (FP8 or BF16 safetensors) into a megatron-core torch_dist checkpoint.
 
     python tools/convert_hf_to_mcore.py --hf-dir DIR --out DIR [--tp N --pp N --ep N] [--dtype bf16|fp32]
-        [--workers N] [--overwrite] [--no-progress]
+        [--pipeline-model-parallel-layout STR | --decoder-first-pipeline-num-layers N
+         --decoder-last-pipeline-num-layers N] [--workers N] [--overwrite] [--no-progress]
 
 The model is built on the meta device and every tensor is read, dequantised (FP8), fused (gate/up), cast and
 written one at a time, so memory stays at a few tensors. The output loads with
 ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), OUT)`` at any TP/PP/EP; --tp/--pp/--ep are
-validated against the config (before any tensor is read) and recorded in OUT/conversion_info.json. OUT also holds
+validated against the config (before any tensor is read) and recorded in OUT/conversion_info.json, with the
+pipeline layout flags (Megatron-LM's names; without them a --pp that does not divide the layers gets a balanced
+uneven split). OUT also holds
 hf_config.json (the HF config the exporter writes back). OUT appears only once the checkpoint is complete.
 On bad input (missing / unexpected / mis-shaped keys, a config.json that does not match the weights, a layout that
 does not divide, NaN/inf after FP8 dequantisation) it prints one ``convert_hf_to_mcore: error: ...`` line and exits 2.
@@ -42,6 +45,13 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to validate for (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to validate for (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size to validate for (default 1)")
+    p.add_argument("--pipeline-model-parallel-layout", default=None, metavar="STR",
+                   help="megatron pipeline layout to validate for, e.g. 'Ettt|ttmL' (E embedding, t decoder layer, "
+                        "m MTP layer, L loss, | between stages)")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="decoder layers on the first pipeline stage (the rest split evenly)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="decoder layers on the last pipeline stage (the rest split evenly)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="dtype of the written tensors (fp32 islands stay fp32); default bf16")
     p.add_argument("--workers", type=int, default=1, help="conversion processes (default 1)")
@@ -55,7 +65,10 @@ def main(argv=None) -> int:
 
     try:
         info = convert_hf_to_mcore(args.hf_dir, args.out, dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep,
-                                   workers=args.workers, progress=not args.no_progress, overwrite=args.overwrite)
+                                   workers=args.workers, progress=not args.no_progress, overwrite=args.overwrite,
+                                   pipeline_layout=args.pipeline_model_parallel_layout,
+                                   first_stage_layers=args.decoder_first_pipeline_num_layers,
+                                   last_stage_layers=args.decoder_last_pipeline_num_layers)
     except INPUT_ERRORS as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2

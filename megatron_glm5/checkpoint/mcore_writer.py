@@ -67,9 +67,12 @@ INPUT_ERRORS = (ConversionInputError, CheckpointMismatchError, Glm5ConfigError, 
 
 
 # ----------------------------------------------------------------------------------------------- validation
-def validate_layout(hf_config, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+def validate_layout(hf_config, tp: int = 1, pp: int = 1, ep: int = 1, pipeline_layout: Optional[str] = None,
+                    first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
     """Raise ConversionInputError unless the model of ``hf_config`` (an HF checkpoint dir, config.json path or dict)
-    can be built at TP=tp, PP=pp, EP=ep (Glm5ConfigError if the config itself is invalid)."""
+    can be built at TP=tp, PP=pp, EP=ep with the given pipeline layout (megatron's layout string, or the number of
+    decoder layers on the first / last stage; none: even, or balanced when PP does not divide the layers; see
+    ``megatron_glm5.models.parallel_layout``). Glm5ConfigError if the config itself is invalid."""
     cfg = Glm5Config.from_hf(hf_config)
     for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(v, int) or v < 1:
@@ -90,42 +93,18 @@ def validate_layout(hf_config, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
             raise ConversionInputError(f"--ep {ep}: the model has no MoE layers")
         if cfg.num_moe_experts % ep:
             raise ConversionInputError(f"--ep {ep} does not divide n_routed_experts = {cfg.num_moe_experts}")
-    if pp > 1:
-        if cfg.num_layers < pp:
-            raise ConversionInputError(f"--pp {pp} exceeds num_hidden_layers = {cfg.num_layers}")
-        if cfg.mtp_num_layers:
-            raise ConversionInputError(f"--pp {pp}: the MTP layer needs the embedding on the last pipeline stage; "
-                                       "the model supports MTP only at PP=1")
-    # megatron's own checks (TransformerConfig.__post_init__ and its layer distribution)
+    if pp > 1 and cfg.num_layers < pp:
+        raise ConversionInputError(f"--pp {pp} exceeds num_hidden_layers = {cfg.num_layers}")
+    # the pipeline layout (stages, MTP on the last stage, shared-indexer DSA layers kept with their full layer) and
+    # megatron's own checks (TransformerConfig.__post_init__)
+    layout = dict(pipeline_model_parallel_layout=pipeline_layout, num_layers_in_first_pipeline_stage=first_stage_layers,
+                  num_layers_in_last_pipeline_stage=last_stage_layers)
     try:
-        full = Glm5Config.from_hf(hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  expert_model_parallel_size=ep, pipeline_dtype=torch.bfloat16)
-        if pp > 1:
-            from megatron.core.transformer.transformer_block import get_num_layers_to_build
-            from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-            for r in range(pp):
-                off = get_transformer_layer_offset(full, pp_rank=r)
-                n = get_num_layers_to_build(full, pp_rank=r)
-                if n < 1:
-                    raise ConversionInputError(f"--pp {pp}: pipeline stage {r} would hold no decoder layer")
-                _check_shared_indexers(full, range(off, off + n), pp)
-    except ConversionInputError:
-        raise
+        Glm5Config.from_hf(hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                           expert_model_parallel_size=ep, pipeline_dtype=torch.bfloat16,
+                           **{k: v for k, v in layout.items() if v is not None})
     except (AssertionError, ValueError) as e:
-        raise ConversionInputError(f"--tp {tp} --pp {pp} --ep {ep}: {e}") from None
-
-
-def _check_shared_indexers(cfg: Glm5Config, layers: range, pp: int) -> None:
-    """A 'shared' DSA layer reuses the top-k of an earlier full DSA layer, which must sit on the same stage."""
-    from megatron_glm5.config import INDEXED_ATTENTION
-
-    dsa = [i for i in layers if cfg.layer_types[i] == INDEXED_ATTENTION]
-    for i in dsa:
-        if cfg.indexer_types[i] == "shared" and not any(j < i and cfg.indexer_types[j] == "full" for j in dsa):
-            raise ConversionInputError(
-                f"--pp {pp}: shared-indexer DSA layer {i} has no full DSA layer before it on its pipeline stage "
-                f"(layers {layers.start}..{layers.stop - 1})")
+        raise ConversionInputError(f"--tp {tp} --pp {pp} --ep {ep}: {' '.join(str(e).split())}") from None
 
 
 @dataclass
@@ -606,8 +585,11 @@ def _run_workers(workers: int, hf_dir: str, out_dir: str, dtype_name: str, on_by
 
 # ----------------------------------------------------------------------------------------------- entry point
 def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int = 1, pp: int = 1, ep: int = 1,
-                        workers: int = 1, progress: bool = True, overwrite: bool = False) -> Dict:
+                        workers: int = 1, progress: bool = True, overwrite: bool = False,
+                        pipeline_layout: Optional[str] = None, first_stage_layers: Optional[int] = None,
+                        last_stage_layers: Optional[int] = None) -> Dict:
     """Convert ``hf_dir`` (HF GLM-5.3 safetensors, FP8 or not) into a torch_dist checkpoint at ``out_dir``.
+    The checkpoint is layout-free; ``tp`` / ``pp`` / ``ep`` and the pipeline layout are validated and recorded.
 
     All validation (arguments, config, layout, every key and shape) happens before a tensor is read; bad input
     raises one of :data:`INPUT_ERRORS`. ``out_dir`` appears only when the checkpoint is complete. Returns the
@@ -628,7 +610,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
     torch_dtype = DTYPES[dtype]
 
     try:
-        validate_layout(hf_dir, tp, pp, ep)
+        validate_layout(hf_dir, tp, pp, ep, pipeline_layout, first_stage_layers, last_stage_layers)
         reader = HFCheckpointReader(hf_dir)
     except json.JSONDecodeError as e:
         raise ConversionInputError(f"{hf_dir}: unreadable JSON ({e})") from None
@@ -669,7 +651,9 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
         disk = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(tmp) for f in fs)
         info = {
             "source": os.path.abspath(hf_dir), "format": "torch_dist", "dtype": dtype,
-            "layout": {"tp": tp, "pp": pp, "ep": ep}, "workers": workers, "started": started,
+            "layout": {"tp": tp, "pp": pp, "ep": ep, **{k: v for k, v in (
+                ("pipeline_layout", pipeline_layout), ("first_stage_layers", first_stage_layers),
+                ("last_stage_layers", last_stage_layers)) if v is not None}}, "workers": workers, "started": started,
             "seconds": round(time.time() - t0, 3), "tensor_bytes": stats["bytes"], "checkpoint_bytes": disk,
             "num_tensors": len(sources), "hf_keys_skipped": report["skipped"],
             "versions": {"torch": torch.__version__, "megatron_core": _mcore_version()},

@@ -58,7 +58,8 @@ def balanced_pipeline_layout(num_layers: int, pp: int, vpp: Optional[int] = None
     stages = pp * (vpp or 1)
     if num_layers < stages:
         raise _err("pipeline_model_parallel_size",
-                   f"{stages} pipeline stages (pp {pp} x vpp {vpp or 1}) for {num_layers} decoder layers")
+                   f"{stages} pipeline stages (pp {pp} x vpp {vpp or 1}) for {num_layers} decoder layers: each "
+                   f"stage needs at least one (or give pipeline_model_parallel_layout)")
     counts = [num_layers // stages] * stages
     order = list(range(1, stages - 1)) + [0, stages - 1]
     for i in range(num_layers % stages):
@@ -188,9 +189,10 @@ def _check_pipeline(config) -> None:
                 middle_stages -= 1
         if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
                 middle_stages and middle_layers % (middle_stages * (vpp or 1))):
-            raise _err("num_layers_in_first_pipeline_stage",
-                       f"{middle_layers} decoder layers left for {middle_stages} middle stages (x vpp {vpp or 1}) of "
-                       f"{n} layers at PP {pp}: they must divide evenly")
+            raise _err("num_layers_in_first_pipeline_stage" if first is not None else
+                       "num_layers_in_last_pipeline_stage",
+                       f"{middle_layers} decoder layers left for the other {middle_stages} stage(s) (x vpp {vpp or 1}) "
+                       f"of {n} layers at PP {pp}: they must divide evenly, at least one per stage")
     ranges = stage_layer_ranges(config)
     if sum(len(r) for r in ranges.values()) != n:
         raise _err("pipeline_model_parallel_layout", f"the stages hold {sum(len(r) for r in ranges.values())} of "
@@ -204,7 +206,8 @@ def prepare_parallel_layout(config) -> None:
     """Called by ``Glm5Config.__post_init__`` before megatron-core's own checks: fill in the balanced layout when the
     pipeline stages do not divide the layers and no layout was given; mark pipeline transfers as variable-shape
     (the mHC streams crossing a stage are ``[s, b, n*h]``, not megatron's default ``[s, b, h]``, so the schedules
-    exchange shapes first: ``variable_seq_lengths``); then :func:`check_parallel_layout`."""
+    exchange shapes first: ``variable_seq_lengths``); with two stages and virtual stages, unbatched p2p; then
+    :func:`check_parallel_layout`."""
     pp = config.pipeline_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size
     if (pp > 1 and config.pipeline_model_parallel_layout is None and config.num_layers_in_first_pipeline_stage is None
@@ -213,6 +216,11 @@ def prepare_parallel_layout(config) -> None:
                                                                          bool(config.mtp_num_layers))
     if pp > 1:
         config.variable_seq_lengths = True
+    if pp == 2 and (config.virtual_pipeline_model_parallel_size or 1) > 1:
+        # the interleaved schedule sends an activation and a gradient to the same peer in one step; batched they
+        # share one communicator and can be matched in the wrong order (gloo swaps them): megatron's unbatched path
+        # puts the two directions on different communicators
+        config.batch_p2p_comm = False
     check_parallel_layout(config)
 
 
