@@ -448,8 +448,9 @@ def search(base_hf: dict, plan: Plan, top: int = 8) -> List[dict]:
 
     params = None
     out = []
-    divs = [d for d in (1, 2, 4, 8, 16, 32, 64) if plan.gpus % d == 0]
-    for tp, pp, cp, ep, rec in itertools.product([d for d in divs if d <= 8], divs, divs, divs,
+    divs = [2 ** i for i in range(int(math.log2(plan.gpus)) + 1) if plan.gpus % 2 ** i == 0]
+    for tp, pp, cp, ep, rec in itertools.product([d for d in divs if d <= 8], [d for d in divs if d <= 32],
+                                                 [d for d in divs if d <= 64], [d for d in divs if d <= 64],
                                                  ("selective", "full")):
         if tp * pp * cp > plan.gpus or plan.gpus % (tp * pp * cp):
             continue
