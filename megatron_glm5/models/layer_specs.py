@@ -20,7 +20,6 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
     MultiTokenPredictionBlockSubmodules,
-    MultiTokenPredictionLayer,
     MultiTokenPredictionLayerSubmodules,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -28,7 +27,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_glm5.config import INDEXED_ATTENTION, LINEAR_ATTENTION, SPARSE_MLP, Glm5Config
 from megatron_glm5.models.kda import get_kda_module_spec
 from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
-from megatron_glm5.models.layer import Glm5LayerSubmodules, Glm5MTPTransformerLayer, Glm5TransformerLayer
+from megatron_glm5.models.layer import (
+    Glm5LayerSubmodules,
+    Glm5MTPTransformerLayer,
+    Glm5MultiTokenPredictionLayer,
+    Glm5TransformerLayer,
+)
 from megatron_glm5.models.mhc import HyperConnection
 from megatron_glm5.models.norms import RMSNorm
 
@@ -102,7 +106,7 @@ def get_mtp_block_spec(config: Glm5Config) -> Optional[ModuleSpec]:
     spec.module = Glm5MTPTransformerLayer
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.causal}
     layer = ModuleSpec(
-        module=MultiTokenPredictionLayer,
+        module=Glm5MultiTokenPredictionLayer,
         submodules=MultiTokenPredictionLayerSubmodules(
             enorm=RMSNorm, hnorm=RMSNorm, eh_proj=ColumnParallelLinear, transformer_layer=spec, layer_norm=RMSNorm),
     )
