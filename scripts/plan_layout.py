@@ -27,7 +27,8 @@ How the numbers are made (state them when you quote them):
   PP send / recv of the streams per micro-batch and virtual stage, CP all-gather of the DSA latents and indexer
   keys plus the KDA state hand-over, DP reduce-scatter of fp32 grads + all-gather of bf16 params;
 * time: FLOPs (6 x active parameters per token, +2 x with full recompute, plus the attention / indexer terms) at
-  ``--mfu`` of the GPU's dense bf16 peak, the pipeline bubble ``(pp - 1) / (vpp * micro-batches)``, and the TP,
+  ``--mfu`` of the GPU's dense bf16 peak (lowered by ``(tokens / 4096) ** 0.25`` when a rank's micro-batch holds
+  fewer than 4096 tokens after CP: skinny GEMMs), the pipeline bubble ``(pp - 1) / (vpp * micro-batches)``, and the TP,
   CP and EP traffic as exposed time on NVLink (a group inside 8 GPUs) or InfiniBand (400 Gb/s per GPU); DP and PP
   traffic is assumed overlapped except 10 %.
 """
@@ -389,7 +390,10 @@ def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]]
     flops_tok += 3 * dsa * 4 * cfg.num_attention_heads * cfg.kv_lora_rank * min(cfg.index_topk, plan.seq_length)
     flops_tok += dsa * 2 * cfg.index_n_heads * cfg.index_head_dim * plan.seq_length / (2 * cfg.index_kpool)
     flops_gpu = flops_tok * tokens_step / plan.gpus
-    compute_s = flops_gpu / (gpu["peak_tflops"] * 1e12 * plan.mfu)
+    # heuristic: GEMMs over fewer tokens run below the assumed MFU ((tokens / 4096) ** 0.25 below 4096 tokens per
+    # micro-batch and rank, after CP)
+    efficiency = min(1.0, tok / 4096) ** 0.25
+    compute_s = flops_gpu / (gpu["peak_tflops"] * 1e12 * plan.mfu * efficiency)
     bubble = (pp - 1) / (vpp * M) if pp > 1 else 0.0
     tp_s = tp_bytes / (_bw(t) * 1e9)
     cp_s = cp_bytes / (_bw(t * cp) * 1e9)
@@ -442,12 +446,15 @@ def _fmt(r: dict) -> str:
 
 
 def search(base_hf: dict, plan: Plan, top: int = 8) -> List[dict]:
-    """Layouts for ``plan.gpus`` (tp, pp, vpp, ep, etp, cp, recompute) that fit, fastest first."""
+    """Layouts for ``plan.gpus`` (tp, pp, vpp, ep, etp, cp, recompute) that fit, fastest first; layouts within 3 %
+    of the fastest are listed largest data-parallel size first, then fewest pipeline / context / tensor / expert
+    ranks (the simpler layout when the estimate cannot tell them apart). If none fits: the one needing the least
+    memory, marked ``fits: False``."""
     import contextlib
     import io
 
     params = None
-    out = []
+    out, smallest = [], None
     divs = [2 ** i for i in range(int(math.log2(plan.gpus)) + 1) if plan.gpus % 2 ** i == 0]
     for tp, pp, cp, ep, rec in itertools.product([d for d in divs if d <= 8], [d for d in divs if d <= 32],
                                                  [d for d in divs if d <= 64], [d for d in divs if d <= 64],
@@ -470,8 +477,16 @@ def search(base_hf: dict, plan: Plan, top: int = 8) -> List[dict]:
                     continue
                 if r["fits"]:
                     out.append(r)
-    out.sort(key=lambda r: r["time_s"]["step"])
-    return out[:top]
+                elif smallest is None or r["memory_gb"] < smallest["memory_gb"]:
+                    smallest = r
+    if not out:
+        return [smallest] if smallest is not None else []
+    best = min(r["time_s"]["step"] for r in out)
+    L = lambda r: r["layout"]  # noqa: E731
+    near = sorted((r for r in out if r["time_s"]["step"] <= 1.03 * best),
+                  key=lambda r: (-L(r)["dp"], L(r)["pp"], L(r)["cp"], L(r)["tp"], L(r)["ep"], r["time_s"]["step"]))
+    rest = sorted((r for r in out if r["time_s"]["step"] > 1.03 * best), key=lambda r: r["time_s"]["step"])
+    return (near + rest)[:top]
 
 
 def main(argv=None) -> int:
@@ -517,7 +532,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(results if args.search else results[0], indent=2))
     elif not results:
-        print(f"no layout for {args.gpus} GPUs fits in {GPUS[args.gpu]['memory_gb']:.0f} GB")
+        print(f"no layout for {args.gpus} GPUs divides the model")
+    elif not results[0]["fits"]:
+        print(f"no layout for {args.gpus} GPUs fits in {GPUS[args.gpu]['memory_gb']:.0f} GB; the least memory:\n")
+        print(_fmt(results[0]))
     else:
         print("\n\n".join(_fmt(r) for r in results))
     return 0

@@ -153,3 +153,18 @@ def test_convert_cli_refuses_a_bad_layout_in_one_line(tiny_ckpt_5, tmp_path, cap
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and "the MTP layer ('m') must sit on the last stage" in err[0], err
     assert not out.exists()
+
+
+def test_initialize_and_builder_refuse_layouts_in_one_line(mcore):
+    from megatron_glm5.initialize import initialize_megatron
+    from megatron_glm5.models.builder import build_model_chunks
+
+    for kw, needle in ((dict(tp=3), "world size 1 is not divisible by tp*pp*cp = 3"),
+                       (dict(ep=2), "world size 1 is not divisible by etp*ep*pp = 2"),
+                       (dict(vpp=2), "vpp 2 needs pp > 1")):
+        with pytest.raises(ValueError) as e:
+            initialize_megatron(**kw)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="the config and megatron's parallel state disagree: "
+                                         "pipeline_model_parallel_size 2 vs 1"):
+        build_model_chunks(_cfg(pipeline_model_parallel_size=2))
