@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -123,8 +124,15 @@ def spawn(fn: Callable, world: int, *args, timeout: float = 900) -> List[Any]:
         ctx = mp.start_processes(_worker, args=(world, _free_port(), fn, args, out_dir), nprocs=world, join=False,
                                  start_method="spawn")
         try:
-            while not ctx.join(timeout=timeout):
-                pass
+            deadline = time.monotonic() + timeout
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise TimeoutError(f"{world} ranks did not finish within {timeout} s")
+        except TimeoutError:
+            raise
         except Exception as e:  # noqa: BLE001 - prefer the rank's own traceback
             for r in range(world):
                 p = os.path.join(out_dir, f"rank{r}.pt")
