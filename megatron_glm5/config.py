@@ -25,8 +25,9 @@ LINEAR_ATTENTION = "linear_attention"
 INDEXED_ATTENTION = "indexed_attention"
 DENSE_MLP = "dense"
 SPARSE_MLP = "sparse"
-KDA_BACKENDS = ("torch", "fla")
-DSA_BACKENDS = ("torch", "sparse")
+KDA_BACKENDS = ("torch", "fla", "fla_fused")
+DSA_BACKENDS = ("torch", "sparse", "fused")
+MOE_EXPERTS_BACKENDS = ("sequential", "grouped")
 
 
 class Glm5ConfigError(ValueError):
@@ -147,7 +148,8 @@ class Glm5Config(MLATransformerConfig):
     kda_chunk_size: int = 64
     """Chunk length of the chunked delta rule (torch backend and FLA)."""
     kda_backend: str = "torch"
-    """'torch' (chunked PyTorch delta rule, runs anywhere) or 'fla' (flash-linear-attention chunk_kda, CUDA)."""
+    """'torch' (chunked PyTorch delta rule, runs anywhere), 'fla' (flash-linear-attention chunk_kda, CUDA) or
+    'fla_fused' (FLA conv, in-kernel gates and fused gated norm around chunk_kda: the GPU fast path)."""
 
     # ---- KPool DSA ----
     index_n_heads: int = 32
@@ -161,7 +163,8 @@ class Glm5Config(MLATransformerConfig):
     index_kpool_always_select_tail: bool = True
     """Whether the query's own incomplete pool (up to and including the query) is always attended."""
     dsa_backend: str = "torch"
-    """'torch' (masked dense reference, quadratic) or 'sparse' (gathers only the selected positions)."""
+    """'torch' (masked dense reference, quadratic), 'sparse' (gathers only the selected positions) or 'fused' (the
+    Triton sparse absorbed-MLA kernel, forward and backward: the GPU fast path)."""
 
     # ---- manifold-constrained hyper-connections ----
     hc_mult: int = 4
@@ -178,6 +181,9 @@ class Glm5Config(MLATransformerConfig):
     """Normalise the selected sigmoid scores to sum to 1 (megatron-core's sigmoid router always does for topk>1)."""
     n_shared_experts: int = 1
     """Shared experts, fused into one MLP of moe_ffn_hidden_size * n_shared_experts."""
+    moe_experts_backend: str = "sequential"
+    """Routed experts: 'sequential' (megatron-core SequentialMLP, one GEMM pair per expert) or 'grouped' (the same
+    parameters and checkpoint keys, run as torch._grouped_mm grouped GEMMs on CUDA: the GPU fast path)."""
 
     # ---- vision / multimodal ----
     vision: Optional[Glm5VisionConfig] = None
@@ -239,6 +245,8 @@ class Glm5Config(MLATransformerConfig):
         need(self.linear_lower_bound is None or self.linear_lower_bound < 0, "linear_lower_bound", "must be negative or null")
         need(self.kda_backend in KDA_BACKENDS, "kda_backend", f"{self.kda_backend!r} not in {KDA_BACKENDS}")
         need(self.dsa_backend in DSA_BACKENDS, "dsa_backend", f"{self.dsa_backend!r} not in {DSA_BACKENDS}")
+        need(self.moe_experts_backend in MOE_EXPERTS_BACKENDS, "moe_experts_backend",
+             f"{self.moe_experts_backend!r} not in {MOE_EXPERTS_BACKENDS}")
         need(self.kda_chunk_size in (16, 32, 64), "kda_chunk_size", "must be 16, 32 or 64")
         need(self.index_kpool >= 1, "index_kpool", f"must be positive, got {self.index_kpool}")
         need(self.index_topk % self.index_kpool == 0, "index_topk",

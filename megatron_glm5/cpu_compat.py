@@ -48,6 +48,7 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.pipeline_parallel.utils",
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.module",
+    "megatron.core.utils",
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor")
 

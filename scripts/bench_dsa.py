@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Time one KPool-DSA layer (fwd+bwd, bf16, released widths by default) against sequence length.
 
-    python scripts/bench_dsa.py [--seqs 4096,16384,32768,65536] [--backends sparse,torch] [--tiny]
+    python scripts/bench_dsa.py [--seqs 4096,16384,32768,65536] [--backends fused,torch] [--max-seq torch=16384]
+        [--tiny]
 
 Prints ms per fwd+bwd and peak memory for each backend and length; a backend that runs out of memory is reported
 as OOM. The indexer runs as in training (no gradient).
@@ -19,7 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", default="4096,16384,32768,65536")
-    p.add_argument("--backends", default="sparse,torch")
+    p.add_argument("--backends", default="fused,torch")
+    p.add_argument("--max-seq", default="torch=16384,sparse=16384",
+                   help="longest length per backend (the dense reference is quadratic)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke run)")
     a = p.parse_args(argv)
@@ -39,11 +42,14 @@ def main(argv=None) -> int:
     hf["text_config"]["mlp_layer_types"] = ["dense"] * 4
     hf["text_config"].pop("num_nextn_predict_layers", None)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    max_seq = {k: int(v) for k, v in (item.split("=") for item in filter(None, a.max_seq.split(",")))}
     for backend in a.backends.split(","):
         cfg = Glm5Config.from_hf(hf, dsa_backend=backend, params_dtype=dtype, use_cpu_initialization=True)
         spec = get_dsa_module_spec()
         layer = Glm5DSAttention(cfg, spec.submodules, layer_number=4).to(dev)
         for s in [int(x) for x in a.seqs.split(",")]:
+            if s > max_seq.get(backend, 1 << 30):
+                continue
             x = torch.randn(s, 1, cfg.hidden_size, device=dev, dtype=dtype, requires_grad=True)
             psp = make_packed_seq_params(torch.tensor([0, s], dtype=torch.int32, device=dev))
             try:

@@ -193,7 +193,8 @@ class Plan:
 
 
 def layout_config(base_hf: dict, plan: Plan):
-    """Glm5Config at the plan's layout (raises Glm5ConfigError / ValueError with one line if it does not divide)."""
+    """Glm5Config at the plan's layout (raises Glm5ConfigError / ValueError with one line if it does not divide);
+    without ``--pipeline-layout`` a PP that does not divide the layers gets ``balanced_pipeline_layout``."""
     from megatron_glm5.config import Glm5Config
 
     if plan.gpus % (plan.tp * plan.pp * plan.cp):
@@ -210,8 +211,14 @@ def layout_config(base_hf: dict, plan: Plan):
               expert_tensor_parallel_size=plan.etp_, context_parallel_size=plan.cp,
               sequence_parallel=plan.sp and plan.tp > 1, use_cpu_initialization=True,
               perform_initialization=False)
+    n_layers = Glm5Config.from_hf(base_hf).num_layers
     if plan.pipeline_layout:
         kw["pipeline_model_parallel_layout"] = plan.pipeline_layout
+    elif plan.pp > 1 and n_layers % (plan.pp * (plan.vpp or 1)):
+        from megatron_glm5.models.parallel_layout import balanced_pipeline_layout
+
+        mtp = bool((base_hf.get("text_config") or base_hf).get("num_nextn_predict_layers"))
+        kw["pipeline_model_parallel_layout"] = balanced_pipeline_layout(n_layers, plan.pp, plan.vpp, mtp)
     cfg = Glm5Config.from_hf(base_hf, **kw)
     from megatron_glm5.models.parallel_layout import check_parallel_layout
 

@@ -423,3 +423,46 @@ def test_fla_backend_matches_torch(mcore, dtype):
     assert _rel_l2(res[1][1], res[0][1]) < tol_grad
     for n in res[0][2]:
         assert _rel_l2(res[1][2][n], res[0][2][n]) < tol_grad, n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_fla_fused_backend_matches_torch(mcore, dtype, lower_bound):
+    """kda_backend='fla_fused' (FLA conv + in-kernel gate / beta / l2norm + fused gated norm) against the 'torch'
+    layer: output, input gradient and every parameter gradient (conv, A_log, dt_bias, norm weight included) on a
+    packed row with a one-token document; head dim 128 (FLA's tuned path), bounded and softplus gates."""
+    pytest.importorskip("triton")
+    text = _hf_text_dict(hidden_size=256, linear_num_heads=2, linear_head_dim=128, linear_lower_bound=lower_bound)
+    cfg = Glm5Config.from_hf({"text_config": text}, kda_backend="torch")
+    ref = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).cuda()
+    fused = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).cuda()
+    fused.load_state_dict(ref.state_dict())
+    fused.backend = "fla_fused"
+    with torch.no_grad():
+        for m in (ref, fused):
+            torch.manual_seed(0)
+            m.A_log.normal_(0, 0.5)
+            m.dt_bias.normal_(0, 1.0)
+            m.o_norm.weight.normal_(1.0, 0.2)
+    ref.to(dtype)
+    fused.to(dtype)
+    assert fused.A_log.dtype == torch.float32  # fp32 islands kept
+    cu = torch.tensor([0, 100, 101, 300, 512], dtype=torch.int32, device="cuda")
+    x = torch.randn(512, 1, cfg.hidden_size, device="cuda", dtype=dtype)
+    w = torch.randn_like(x, dtype=torch.float32)
+    res = []
+    for m in (ref, fused):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi, packed_seq_params=make_packed_seq_params(cu))[0]
+        (out.float() * w).sum().backward()
+        res.append((out.float(), xi.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}))
+    tol_out, tol_grad = (5e-3, 1e-2) if dtype == torch.float32 else (3e-2, 5e-2)
+    assert torch.isfinite(res[1][0]).all() and torch.isfinite(res[1][1]).all()
+    print(f"fla_fused {dtype} lb={lower_bound}: out {_rel_max(res[1][0], res[0][0]):.2e} "
+          f"dx {_rel_l2(res[1][1], res[0][1]):.2e}")
+    assert _rel_max(res[1][0], res[0][0]) < tol_out
+    assert _rel_l2(res[1][1], res[0][1]) < tol_grad
+    for n in res[0][2]:
+        assert torch.isfinite(res[1][2][n]).all(), n
+        assert _rel_l2(res[1][2][n], res[0][2][n]) < tol_grad, n

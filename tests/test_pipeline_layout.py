@@ -34,7 +34,7 @@ def test_balanced_layout():
 
 
 @pytest.mark.parametrize("kw,want", [
-    (dict(pipeline_model_parallel_size=2), {(0, 0): (0, 3), (1, 0): (3, 5)}),  # balanced default
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et*3|t*2L"), {(0, 0): (0, 3), (1, 0): (3, 5)}),
     (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=2), {(0, 0): (0, 2), (1, 0): (2, 5)}),
     (dict(pipeline_model_parallel_size=2, num_layers_in_last_pipeline_stage=1), {(0, 0): (0, 4), (1, 0): (4, 5)}),
     (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|tt|tL"),
@@ -62,7 +62,8 @@ def test_even_vpp_and_mtp_stage():
     (dict(tensor_model_parallel_size=3), "tensor_model_parallel_size: 3 does not divide num_attention_heads"),
     (dict(expert_model_parallel_size=3), "expert_model_parallel_size: 3 does not divide num_moe_experts = 8"),
     (dict(expert_tensor_parallel_size=3), "expert_tensor_parallel_size: 3 does not divide moe_ffn_hidden_size"),
-    (dict(pipeline_model_parallel_size=6), "6 pipeline stages"),
+    (dict(pipeline_model_parallel_size=6), "6 pipeline stages (pp 6 x vpp 1) for 5 decoder layers: each stage needs"),
+    (dict(pipeline_model_parallel_size=2), "set pipeline_model_parallel_layout (e.g. 'Et*3|t*2L')"),
     (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=5), "0 decoder layers left"),
     (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tttL"), "holds 6 decoder layers"),
     (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|ttX"), "Invalid layer character"),
@@ -104,13 +105,14 @@ def test_converter_validates_the_layout_flags():
     from megatron_glm5.config import glm5_flash_hf_config, tiny_hf_config
 
     released = glm5_flash_hf_config()  # 45 decoder layers + 1 MTP layer
-    validate_layout(released, pp=2)  # balanced 23 | 22 + MTP
+    validate_layout(released, pp=2, pipeline_layout="Et*23|t*22mL")
     validate_layout(released, pp=4, pipeline_layout="Et*11|t*12|t*11|t*11mL")
     validate_layout(released, pp=2, first_stage_layers=22)
-    validate_layout(released, pp=8)  # balanced
     validate_layout(released, pp=8, pipeline_layout="Et*5|(t*6|)*6t*4mL")
+    with pytest.raises(ConversionInputError, match="do not divide 45 decoder layers; set pipeline_model_parallel_"
+                                                   "layout \\(e.g. 'Et\\*23\\|t\\*22mL'\\)"):
+        validate_layout(released, pp=2)
     tiny = tiny_hf_config(num_layers=5, mtp=True)
-    validate_layout(tiny, pp=2)
     validate_layout(tiny, pp=2, pipeline_layout="Ettt|ttmL")
     with pytest.raises(ConversionInputError, match="the MTP layer"):
         validate_layout(tiny, pp=2, pipeline_layout="Etttm|ttL")
@@ -129,7 +131,6 @@ def tiny_ckpt_5(tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags,layout", [
-    (["--pp", "2"], {"pp": 2}),
     (["--pp", "2", "--pipeline-model-parallel-layout", "Ett|tttmL"], {"pp": 2, "pipeline_layout": "Ett|tttmL"}),
     (["--pp", "2", "--decoder-first-pipeline-num-layers", "2"], {"pp": 2, "first_stage_layers": 2}),
 ])
@@ -148,11 +149,12 @@ def test_convert_cli_refuses_a_bad_layout_in_one_line(tiny_ckpt_5, tmp_path, cap
     import convert_hf_to_mcore
 
     out = tmp_path / "out"
-    assert convert_hf_to_mcore.main(["--hf-dir", tiny_ckpt_5, "--out", str(out), "--pp", "2",
-                                     "--pipeline-model-parallel-layout", "Etttm|ttL"]) == 2
-    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert len(err) == 1 and "the MTP layer ('m') must sit on the last stage" in err[0], err
-    assert not out.exists()
+    for flags, needle in ((["--pipeline-model-parallel-layout", "Etttm|ttL"], "the MTP layer ('m') must sit on the last"),
+                          ([], "2 (virtual) pipeline stages do not divide 5 decoder layers")):
+        assert convert_hf_to_mcore.main(["--hf-dir", tiny_ckpt_5, "--out", str(out), "--pp", "2", *flags]) == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and needle in err[0], err
+        assert not out.exists()
 
 
 def test_initialize_and_builder_refuse_layouts_in_one_line(mcore):
@@ -167,4 +169,4 @@ def test_initialize_and_builder_refuse_layouts_in_one_line(mcore):
         assert needle in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match="the config and megatron's parallel state disagree: "
                                          "pipeline_model_parallel_size 2 vs 1"):
-        build_model_chunks(_cfg(pipeline_model_parallel_size=2))
+        build_model_chunks(_cfg(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=3))

@@ -9,37 +9,28 @@ The model is built on the meta device and every tensor is read, dequantised (FP8
 written one at a time, so memory stays at a few tensors. The output loads with
 ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), OUT)`` at any TP/PP/EP; --tp/--pp/--ep are
 validated against the config (before any tensor is read) and recorded in OUT/conversion_info.json, with the
-pipeline layout flags (Megatron-LM's names; without them a --pp that does not divide the layers gets a balanced
-uneven split). OUT also holds
-hf_config.json (the HF config the exporter writes back). OUT appears only once the checkpoint is complete.
+pipeline layout flags (Megatron-LM's names: uneven stages, e.g. the released 45 decoder layers + MTP at --pp 2
+with --pipeline-model-parallel-layout 'Et*23|t*22mL'). OUT also holds hf_config.json (the HF config the exporter
+writes back). OUT appears only once the checkpoint is complete.
 On bad input (missing / unexpected / mis-shaped keys, a config.json that does not match the weights, a layout that
 does not divide, NaN/inf after FP8 dequantisation) it prints one ``convert_hf_to_mcore: error: ...`` line and exits 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_glm5.cli import OneLineArgumentParser, one_line  # noqa: E402
+
 PROG = "convert_hf_to_mcore"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would also print the usage)
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def main(argv=None) -> int:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output torch_dist checkpoint directory (must not exist)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to validate for (default 1)")
@@ -70,7 +61,7 @@ def main(argv=None) -> int:
                                    first_stage_layers=args.decoder_first_pipeline_num_layers,
                                    last_stage_layers=args.decoder_last_pipeline_num_layers)
     except INPUT_ERRORS as e:
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return 2
     gb = info["checkpoint_bytes"] / 1e9
     rate = info["tensor_bytes"] / 1e6 / max(info["seconds"], 1e-9)

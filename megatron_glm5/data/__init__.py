@@ -1,1 +1,12 @@
-"""Data helpers (synthetic packed rows for tests and the quickstart; real datasets come with the training script)."""
+"""Training data: tokenizer, mock / indexed-text / packed image+text datasets, sampler and collate.
+
+``builder.build_train_valid_test_datasets`` is the entry point the training loop calls; ``sampler.build_data_loader``
+turns a dataset into a resumable DataLoader. ``synthetic.py`` makes random packed rows for tests and the quickstart.
+"""
+
+
+class DataError(ValueError):
+    """Bad data input (a missing file, a malformed record, a tokenizer that does not fit the model).
+
+    The message is one line that names the input and the reason; entry points print it and exit 2.
+    """

@@ -11,9 +11,12 @@ the document boundaries. Both the convolution state and the recurrent ``[K, V]``
 document boundary, so a packed row gives exactly what running HF's ``Glm5NextTextLinearAttention`` on every
 document separately gives. Without ``PackedSeqParams`` every batch row is one document.
 
-Two backends compute the delta rule: ``'torch'`` (:func:`chunk_kda_torch`, a chunked WY form in plain PyTorch,
-runs anywhere and is differentiable by autograd) and ``'fla'`` (flash-linear-attention ``chunk_kda``, CUDA +
-triton, imported lazily).
+Three backends compute the layer: ``'torch'`` (:func:`chunk_kda_torch`, a chunked WY form in plain PyTorch,
+runs anywhere and is differentiable by autograd), ``'fla'`` (flash-linear-attention ``chunk_kda`` for the delta rule
+only, the rest of the layer in PyTorch) and ``'fla_fused'`` (the GPU fast path: FLA's Triton short convolution with
+SiLU and document resets, ``chunk_kda`` with the forget gate, ``sigmoid(beta)`` and the q/k L2 norm computed inside
+its kernels, and FLA's fused gated RMSNorm; CUDA + triton, imported lazily). The fast path keeps the reference
+numerics (fp32 convolution, gates and norms); it is tested against ``'torch'`` on the GPU.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from megatron.core.transformer.utils import (
 from megatron_glm5.models.norms import linear_output, param_device
 from megatron_glm5.config import Glm5Config
 from megatron_glm5.models.packing import document_starts, row_cu_seqlens
+from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout
 
 __all__ = [
     "l2norm",
@@ -374,7 +378,8 @@ class KimiDeltaAttention(MegatronModule):
     ``f_a_proj`` / ``f_b_proj`` / ``A_log`` / ``dt_bias`` under ``forget_gate.``.
     ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` (``[H D / tp, 1, W]``), ``A_log`` (``[H / tp]``) and ``dt_bias``
     (``[H D / tp]``) are fp32 and stay fp32 when the module is cast (attribute ``keep_fp32``).
-    Context parallelism is not supported.
+    Context parallelism (contiguous chunks of a packed row): the conv inputs and the recurrent state at the chunk's
+    left edge come from earlier CP ranks (:mod:`megatron_glm5.models.kda_cp`, around the per-rank kernel call).
     """
 
     def __init__(self, config: Glm5Config, submodules: KimiDeltaAttentionSubmodules, layer_number: int,
@@ -387,9 +392,8 @@ class KimiDeltaAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
         self.tp_size = pg_collection.tp.size()
-        cp = getattr(pg_collection, "cp", None)
-        if cp is not None and cp.size() > 1:
-            raise NotImplementedError("KimiDeltaAttention does not support context parallelism (cp > 1)")
+        self.cp_group = cp_group_of(pg_collection)
+        self.cp_size = 1 if self.cp_group is None else self.cp_group.size()
 
         self.hidden_size = config.hidden_size
         self.num_heads = config.linear_num_heads
@@ -506,6 +510,9 @@ class KimiDeltaAttention(MegatronModule):
         """``hidden_states`` ``[s, b, h]`` (``[s / tp, b, h]`` under sequence parallelism) -> ``(out [s, b, h],
         None)``. ``packed_seq_params.cu_seqlens_q`` (``b = 1``) marks document boundaries; ``attention_mask`` is
         ignored (the mixer is causal by construction)."""
+        if self.backend == "fla_fused" and getattr(self, "cp_size", 1) == 1:
+            return self._forward_fla_fused(hidden_states, packed_seq_params)
+        # (under context parallelism 'fla_fused' takes this path with FLA's chunk_kda as the core)
         x = hidden_states
         q = linear_output(self.q_proj(x))  # [s, b, H_l * D]
         k = linear_output(self.k_proj(x))
@@ -516,19 +523,30 @@ class KimiDeltaAttention(MegatronModule):
             if b != 1:
                 raise ValueError(f"packed rows need batch size 1, got {b}")
             cu = row_cu_seqlens(packed_seq_params, s, q.device)
+        # context parallelism: this rank holds one contiguous chunk of the row (models/kda_cp.py)
+        cp_layout = None
+        if self.cp_size > 1:
+            from megatron_glm5.models.kda_cp import cp_causal_depthwise_conv1d, cp_chunk_kda  # imports this module
+
+            cp_layout = sequence_layout(packed_seq_params, s, q.device, self.cp_group)
         act_dtype = q.dtype
 
         def conv(t, w):  # [s, b, c] -> [b, s, H_l, D]
-            y = F.silu(causal_depthwise_conv1d(t.transpose(0, 1), w, cu)).to(act_dtype)
+            t = t.transpose(0, 1)
+            y = causal_depthwise_conv1d(t, w, cu) if cp_layout is None else cp_causal_depthwise_conv1d(t, w, cp_layout)
+            y = F.silu(y).to(act_dtype)
             return y.view(b, s, self.num_heads_local, self.head_dim)
 
         q, k, v = conv(q, self.q_conv1d), conv(k, self.k_conv1d), conv(v, self.v_conv1d)
         g = self._forget_gate(linear_output(self.f_b_proj(self._replicated_linear(self.f_a_proj, x)))).transpose(0, 1)
         beta = torch.sigmoid(linear_output(self.b_proj(x))).transpose(0, 1)  # [b, s, H_l]
 
-        core = chunk_kda_fla if self.backend == "fla" else chunk_kda_torch
-        o = core(q, k, v, g, beta, scale=self.head_dim ** -0.5, cu_seqlens=cu, chunk_size=self.chunk_size,
-                 use_qk_l2norm=True)  # [b, s, H_l, D]
+        core = chunk_kda_fla if self.backend in ("fla", "fla_fused") else chunk_kda_torch
+        if cp_layout is None:
+            o = core(q, k, v, g, beta, scale=self.head_dim ** -0.5, cu_seqlens=cu, chunk_size=self.chunk_size,
+                     use_qk_l2norm=True)  # [b, s, H_l, D]
+        else:
+            o = cp_chunk_kda(core, q, k, v, g, beta, self.head_dim ** -0.5, cp_layout, self.chunk_size)
 
         gate = linear_output(self.g_b_proj(self._replicated_linear(self.g_a_proj, x)))
         gate = gate.view(s, b, self.num_heads_local, self.head_dim)
@@ -538,6 +556,53 @@ class KimiDeltaAttention(MegatronModule):
         o = self.o_norm(o.transpose(0, 1), gate, weight=w).reshape(s, b, self.kda_dim_local)
         out, bias = self.o_proj(o)
         return out, bias
+
+    def _forward_fla_fused(self, x: torch.Tensor, packed_seq_params: Optional[PackedSeqParams]):
+        """``kda_backend='fla_fused'``: the same function as :meth:`forward` with FLA's fused kernels around
+        ``chunk_kda`` (see the module docstring). ``x [s, b, h]`` -> ``(out [s, b, h], bias)``."""
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.ops.kda import chunk_kda
+
+        q_lin = linear_output(self.q_proj(x))                                      # [s, b, H_l * D] (full s)
+        s, b = q_lin.shape[:2]
+        H, D = self.num_heads_local, self.head_dim
+        cu = cu_cpu = None
+        if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None:
+            if b != 1:
+                raise ValueError(f"packed rows need batch size 1, got {b}")
+            cu_cpu = torch.tensor(_flat_cu_seqlens(row_cu_seqlens(packed_seq_params, s, x.device), 1, s),
+                                  dtype=torch.long)
+            cu = cu_cpu.to(x.device, non_blocking=True)
+
+        def batch_first(t):  # [s, b, c] -> [b, s, c] (a free view for b = 1)
+            return t.view(1, s, t.shape[-1]) if b == 1 else t.transpose(0, 1).contiguous()
+
+        def conv(t, w):  # SiLU(causal conv) in fp32 inside the kernel, output in the activation dtype
+            y, _ = causal_conv1d(x=batch_first(t), weight=w.squeeze(1), activation="silu", cu_seqlens=cu,
+                                 cu_seqlens_cpu=cu_cpu)
+            return y.view(b, s, H, D)
+
+        q = conv(q_lin, self.q_conv1d)
+        k = conv(linear_output(self.k_proj(x)), self.k_conv1d)
+        v = conv(linear_output(self.v_proj(x)), self.v_conv1d)
+        f = batch_first(linear_output(self.f_b_proj(self._replicated_linear(self.f_a_proj, x)))).view(b, s, H, D)
+        beta = batch_first(linear_output(self.b_proj(x)))                          # [b, s, H] logits
+        lb = self.lower_bound
+        o, _ = chunk_kda(q=q, k=k, v=v, g=f, beta=beta, scale=D ** -0.5, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=lb,
+                         safe_gate=lb is not None and -5.0 <= lb < 0.0, use_beta_sigmoid_in_kernel=True,
+                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                         chunk_size=self.chunk_size if self.chunk_size in (32, 64) else 64)
+        gate = batch_first(linear_output(self.g_b_proj(self._replicated_linear(self.g_a_proj, x))))
+        w = self.o_norm.weight
+        if self.tp_size > 1:  # each rank normalises its own heads: sum the norm weight's gradient over TP
+            w = copy_to_tensor_model_parallel_region(w, group=self.tp_group)
+        o = rms_norm_gated(o.reshape(b * s * H, D), gate.reshape(b * s * H, D), w, None, activation="sigmoid",
+                           eps=self.o_norm.eps)
+        o = o.view(b, s, H * D)
+        o = o.view(s, 1, H * D) if b == 1 else o.transpose(0, 1).contiguous()
+        return self.o_proj(o)
 
     # ------------------------------------------------------------------ checkpointing
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

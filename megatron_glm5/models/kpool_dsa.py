@@ -11,7 +11,7 @@ Math (``H`` heads, ``dq = qk_head_dim``, ``dv = v_head_dim``, ``r = kv_lora_rank
     o_i     = sum_{j in S_i} softmax_j(q_i . k_j * dq^-0.5) v_j
     out     = o_proj o
 
-Two backends (``config.dsa_backend``) compute the same ``o``:
+Three backends (``config.dsa_backend``) compute the same ``o``:
 
 * ``'torch'``: masked dense reference: a boolean ``[b, s, s]`` mask from the selection and
   ``scaled_dot_product_attention`` over expanded per-head K/V. ``O(s^2)`` memory.
@@ -20,6 +20,9 @@ Two backends (``config.dsa_backend``) compute the same ``o``:
   ``c[S_i]`` ``[width, r]``, ``p = softmax(q_lat . c[S_i] * scale)``, ``o = (p c[S_i]) W_vc^T``. Queries are
   processed in chunks under activation checkpointing, so the gathered ``[chunk, width, r]`` rows are never held
   for more than one chunk.
+* ``'fused'`` (the GPU fast path): the same absorbed form with the attention over the selected latents in one
+  Triton kernel, forward and backward (``megatron_glm5/kernels/sparse_mla.py``); linear memory. It relies on the
+  indexer's selections being duplicate-free (selected pools and the tail are disjoint).
 
 Packed rows (``b = 1`` + ``PackedSeqParams``) need nothing beyond the indexer: it only selects positions of the
 query's own document, so queries never attend across documents. Queries with an empty selection (possible only
@@ -31,7 +34,11 @@ Tensor parallelism: heads are sharded (``q_b_proj``/``kv_b_proj`` column-paralle
 input ``[s/tp, b, h]`` is all-gathered once on entry (the indexer and the latents need the whole sequence), the
 layer then runs as under plain TP (its replicated parts see identical gradients on every TP rank, so the gather's
 backward only takes this rank's slice), and ``o_proj`` reduce-scatters the output back to ``[s/tp, b, h]``.
-Context parallelism is not supported.
+
+Context parallelism (a contiguous chunk of a packed row per CP rank, :mod:`megatron_glm5.models.context_parallel`):
+queries are this rank's tokens; the KV latents ``c`` (``r`` values per token) are all-gathered over the CP group
+(backward: reduce-scatter), the indexer selects row positions of the whole row, and both backends attend over the
+gathered latents.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
+from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence
 from megatron_glm5.models.kpool_indexer import KPoolIndexer, ReplicatedLinear
 from megatron_glm5.models.norms import RMSNorm, linear_output
 
@@ -220,9 +228,7 @@ class Glm5DSAttention(MegatronModule):
         # everything before o_proj runs on the gathered sequence, as under plain TP
         full_seq_config = copy.copy(config)
         full_seq_config.sequence_parallel = False
-        cp_group = getattr(pg_collection, "cp", None)
-        if cp_group is not None and get_pg_size(cp_group) > 1:
-            raise NotImplementedError("Glm5DSAttention does not support context parallelism")
+        self.cp_group = cp_group_of(pg_collection)
         if config.qk_pos_emb_head_dim:
             raise ValueError("GLM-5.3 DSA is NoPE: qk_pos_emb_head_dim must be 0")
 
@@ -249,8 +255,8 @@ class Glm5DSAttention(MegatronModule):
         self.q_a_layernorm = build_module(submodules.q_a_layernorm, config=full_seq_config,
                                           hidden_size=self.q_lora_rank, eps=eps)
         self.q_b_proj = build_module(submodules.q_b_proj, self.q_lora_rank, H * self.qk_head_dim,
-                                     config=full_seq_config, init_method=config.init_method, bias=False, gather_output=False,
-                                     skip_bias_add=False, tp_group=self.tp_group)
+                                     config=full_seq_config, init_method=config.init_method, bias=False,
+                                     gather_output=False, skip_bias_add=False, tp_group=self.tp_group)
         self.kv_a_proj_with_mqa = build_module(submodules.kv_a_proj_with_mqa, h, self.kv_lora_rank, config=config,
                                                init_method=config.init_method, bias=False)
         self.kv_a_layernorm = build_module(submodules.kv_a_layernorm, config=full_seq_config,
@@ -275,7 +281,7 @@ class Glm5DSAttention(MegatronModule):
 
     def _attention_torch(self, q, kv_lat, topk_indices):
         """'torch' backend: expand K/V with ``kv_b_proj`` and run masked dense SDPA. ``q [s, b, Hl, dq]``,
-        ``kv_lat [s, b, r]`` -> ``[s, b, Hl, dv]``."""
+        ``kv_lat [t, b, r]`` (``t = s``, or the whole row under CP) -> ``[s, b, Hl, dv]``."""
         s, b = kv_lat.shape[:2]
         kv = linear_output(self.kv_b_proj(kv_lat)).view(s, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
         k, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
@@ -293,6 +299,22 @@ class Glm5DSAttention(MegatronModule):
         out = sparse_topk_attention(q.transpose(0, 1), kv_lat.transpose(0, 1), w_kc, w_vc, topk_indices,
                                     self.softmax_scale, query_chunk=self.sparse_query_chunk)
         return out.transpose(0, 1)
+
+    def _attention_fused(self, q, kv_lat, topk_indices):
+        """'fused' backend: :meth:`_attention_sparse`'s absorbed form with the Triton sparse MLA kernel. Same
+        shapes. The indexer's tail slots (the last ``kpool - 1``) are moved to the front so that every row's valid
+        slots end early and the kernel skips the unused pool slots of short contexts."""
+        from megatron_glm5.kernels.sparse_mla import sparse_mla
+
+        w_kc, w_vc = self.absorbed_weights()
+        if get_pg_size(self.tp_group) > 1:
+            kv_lat = copy_to_tensor_model_parallel_region(kv_lat, group=self.tp_group)
+        topk = self.config.index_topk
+        if topk_indices.shape[-1] > topk:
+            topk_indices = torch.cat([topk_indices[..., topk:], topk_indices[..., :topk]], dim=-1)
+        q_lat = torch.einsum("sbhd,hdr->bshr", q, w_kc)                               # [b, s, H, r]
+        o_lat = sparse_mla(q_lat, kv_lat.transpose(0, 1), topk_indices, self.softmax_scale)
+        return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc)                           # [s, b, H, dv]
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -318,6 +340,7 @@ class Glm5DSAttention(MegatronModule):
         q_resid = self.q_a_layernorm(linear_output(self.q_a_proj(hidden_states)))                 # [s, b, q_lora]
         q = linear_output(self.q_b_proj(q_resid)).view(s, b, self.num_heads_local, self.qk_head_dim)
         kv_lat = self.kv_a_layernorm(linear_output(self.kv_a_proj_with_mqa(hidden_states)))       # [s, b, r]
+        kv_lat = gather_sequence(kv_lat, self.cp_group)  # the whole row's latents under CP: [S, b, r]
 
         if self.indexer is not None:
             topk_indices = self.indexer(hidden_states, q_resid, packed_seq_params=packed_seq_params)
@@ -327,7 +350,9 @@ class Glm5DSAttention(MegatronModule):
                                  f"layer's topk indices as shared_topk_indices")
             topk_indices = shared_topk_indices
 
-        if self.backend == "sparse":
+        if self.backend == "fused":
+            out = self._attention_fused(q, kv_lat, topk_indices)
+        elif self.backend == "sparse":
             out = self._attention_sparse(q, kv_lat, topk_indices)
         elif self.backend == "torch":
             out = self._attention_torch(q, kv_lat, topk_indices)

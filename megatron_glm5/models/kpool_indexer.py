@@ -19,6 +19,10 @@ separately: pools start at each document's first token, visibility is causal and
 document-local, and the returned indices are row positions (document start + local index). ``-1`` marks an
 unused slot.
 
+Context parallelism (a contiguous chunk of the row per CP rank, :mod:`megatron_glm5.models.context_parallel`):
+the queries are this rank's tokens; keys and pooling gates are all-gathered over the CP group, so pools (which may
+straddle a chunk edge), document masks and tails are those of the whole row and the indices are row positions.
+
 Output layout ``[b, s, width]`` int32: slots ``[0, index_topk)`` hold the tokens of the selected pools (``-1``
 padded), slots ``[index_topk, index_topk + kpool - 1)`` hold the tail when ``index_kpool_always_select_tail``
 (``width = index_topk + kpool - 1``; otherwise ``width = index_topk``). Selected pools are disjoint and do not
@@ -39,7 +43,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_glm5.models.packing import document_ids, document_starts, row_cu_seqlens
+from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence, sequence_layout
+from megatron_glm5.models.packing import document_ids, document_starts
 
 __all__ = ["ReplicatedLinear", "KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]
 
@@ -159,6 +164,7 @@ class KPoolIndexer(MegatronModule):
         self.index_kpool_compress_gate = torch.nn.Parameter(
             torch.ones(self.head_dim, self.hidden_size, device=device, dtype=dtype))
         mark_replicated(self)
+        self.cp_group = cp_group_of(pg_collection)
 
     @property
     def output_width(self) -> int:
@@ -192,7 +198,10 @@ class KPoolIndexer(MegatronModule):
         device = hidden_states.device
         if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None and b != 1:
             raise ValueError(f"a packed row must have batch size 1, got {b}")
-        cu = row_cu_seqlens(packed_seq_params, s, device)
+        # Queries are this rank's s tokens at row positions [off, off + s); keys, pools and document masks are those
+        # of the whole row of S tokens (S = s, off = 0 without context parallelism).
+        layout = sequence_layout(packed_seq_params, s, device, self.cp_group)
+        cu, off, S = layout.cu_seqlens, layout.offset, layout.global_len
         x = hidden_states.transpose(0, 1)                                          # [b, s, h]
         H, D, kp = self.n_heads, self.head_dim, self.kpool
 
@@ -200,12 +209,14 @@ class KPoolIndexer(MegatronModule):
         keys = self.k_norm(self.wk(x))                                             # [b, s, D]
         gates = F.linear(x, self.index_kpool_compress_gate)                        # [b, s, D]
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (H ** -0.5)   # [b, s, H]
+        keys = gather_sequence(keys, layout.cp_group, seq_dim=1)                   # [b, S, D]
+        gates = gather_sequence(gates, layout.cp_group, seq_dim=1)                 # [b, S, D]
 
         pool_tokens, pool_doc = kpool_pool_layout(cu, kp)                          # [P, kp], [P]
         n_pools = pool_doc.numel()
         pool_end = pool_tokens[:, -1].contiguous()                                 # [P]
         pool_keys_t = self.pooled_keys(keys, gates, pool_tokens).float().transpose(-1, -2).unsqueeze(1)  # [b,1,D,P]
-        doc = document_ids(cu, s)                                                  # [s]
+        doc = document_ids(cu, S)[off:off + s]                                     # [s]
 
         pool_part = torch.full((b, s, self.index_topk), -1, dtype=torch.long, device=device)
         max_select = self.index_topk // kp
@@ -215,11 +226,11 @@ class KPoolIndexer(MegatronModule):
             # Candidate pools of this chunk form one contiguous range: from the first pool of the chunk's first
             # document up to the last pool that ends at or before the chunk's last query.
             lo = int(torch.searchsorted(pool_doc, doc[a:a + 1]).item()) if n_pools else 0
-            hi = int(torch.searchsorted(pool_end, torch.tensor([e - 1], device=device), right=True).item()) \
+            hi = int(torch.searchsorted(pool_end, torch.tensor([off + e - 1], device=device), right=True).item()) \
                 if n_pools else 0
             if hi <= lo:
                 continue
-            pos = torch.arange(a, e, device=device)
+            pos = torch.arange(off + a, off + e, device=device)
             valid = (pool_doc[None, lo:hi] == doc[a:e, None]) & (pool_end[None, lo:hi] <= pos[:, None])  # [c, p]
             scores = torch.matmul(q[:, a:e].float(), pool_keys_t[..., lo:hi])       # [b, c, H, p]
             scores = F.relu(scores * self.softmax_scale)
@@ -233,7 +244,7 @@ class KPoolIndexer(MegatronModule):
             pool_part[:, a:e, : k * kp] = tokens
 
         if self.always_select_tail and kp > 1:
-            tail = kpool_tail_indices(cu, s, kp)[None].expand(b, -1, -1)
+            tail = kpool_tail_indices(cu, S, kp)[off:off + s][None].expand(b, -1, -1)
             out = torch.cat([pool_part, tail], dim=-1)
         else:
             out = pool_part

@@ -24,7 +24,6 @@ from typing import Optional, Union
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_glm5.models.mhc import HyperConnection, apply_hyper_connection_output
@@ -76,6 +75,8 @@ class Glm5TransformerLayer(MegatronModule):
                                     pg_collection=pg_collection)
         else:
             self.mlp = build_module(mlp_spec, config=config)
+        if hasattr(self.mlp, "set_layer_number"):  # the MoE router logs its aux loss per layer (megatron contract)
+            self.mlp.set_layer_number(layer_number)
         modules = (config.recompute_modules or []) if config.recompute_granularity == "selective" else []
         self.recompute_layernorm = "layernorm" in modules
         self.recompute_attention = "core_attn" in modules
@@ -144,24 +145,3 @@ class Glm5MTPTransformerLayer(Glm5TransformerLayer):
         streams = hidden_states.unsqueeze(2).expand(s, b, n, h).reshape(s, b, n * h)
         streams, _ = super().forward(streams, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
         return streams.view(s, b, n, h).mean(dim=2), None
-
-
-class Glm5MultiTokenPredictionLayer(MultiTokenPredictionLayer):
-    """megatron-core's ``MultiTokenPredictionLayer`` whose full-recompute path also takes packed rows.
-
-    megatron-core 0.16.1 hands every keyword argument of the checkpointed function to ``tensor_parallel.checkpoint``
-    positionally, and autograd cannot save a ``PackedSeqParams``; here only the tensors go through the checkpoint
-    and the other arguments are bound in a closure (same recompute, same numbers)."""
-
-    def _checkpointed_forward(self, forward_func, *args, **kwargs):
-        if self.config.recompute_method != "uniform":
-            return super()._checkpointed_forward(forward_func, *args, **kwargs)
-        names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
-        others = {k: v for k, v in kwargs.items() if not torch.is_tensor(v)}
-
-        def run(*values):
-            return forward_func(*args, **dict(zip(names, values)), **others)
-
-        return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
-                                          *(kwargs[k] for k in names))
-

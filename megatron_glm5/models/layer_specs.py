@@ -3,7 +3,8 @@
 Layer i (0-based) is built from:
   attention: 'linear_attention' -> KimiDeltaAttention, 'indexed_attention' -> Glm5DSAttention
   mlp:       'dense' -> megatron-core MLP (fused [gate; up] fc1, clamped SwiGLU)
-             'sparse' -> megatron-core MoELayer (sigmoid router + expert bias, SequentialMLP experts, shared expert)
+             'sparse' -> megatron-core MoELayer (sigmoid router + expert bias, SequentialMLP experts -- or
+                         GroupedExperts with config.moe_experts_backend 'grouped' -- and a shared expert)
 """
 
 from __future__ import annotations
@@ -25,15 +26,12 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_glm5.config import INDEXED_ATTENTION, LINEAR_ATTENTION, SPARSE_MLP, Glm5Config
+from megatron_glm5.models.grouped_experts import GroupedExperts
 from megatron_glm5.models.kda import get_kda_module_spec
 from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
-from megatron_glm5.models.layer import (
-    Glm5LayerSubmodules,
-    Glm5MTPTransformerLayer,
-    Glm5MultiTokenPredictionLayer,
-    Glm5TransformerLayer,
-)
+from megatron_glm5.models.layer import Glm5LayerSubmodules, Glm5MTPTransformerLayer, Glm5TransformerLayer
 from megatron_glm5.models.mhc import HyperConnection
+from megatron_glm5.models.mtp import Glm5MultiTokenPredictionLayer
 from megatron_glm5.models.norms import RMSNorm
 
 _MLP_SUBMODULES = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
@@ -44,12 +42,14 @@ def get_dense_mlp_spec() -> ModuleSpec:
     return ModuleSpec(module=MLP, submodules=_MLP_SUBMODULES)
 
 
-def get_moe_spec() -> ModuleSpec:
-    """megatron-core MoELayer with SequentialMLP routed experts and one fused shared expert."""
+def get_moe_spec(config: Optional[Glm5Config] = None) -> ModuleSpec:
+    """megatron-core MoELayer with SequentialMLP routed experts (GroupedExperts, the same parameters run as grouped
+    GEMMs, when ``config.moe_experts_backend == 'grouped'``) and one fused shared expert."""
+    grouped = config is not None and getattr(config, "moe_experts_backend", "sequential") == "grouped"
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
-            experts=ModuleSpec(module=SequentialMLP, submodules=_MLP_SUBMODULES),
+            experts=ModuleSpec(module=GroupedExperts if grouped else SequentialMLP, submodules=_MLP_SUBMODULES),
             shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_MLP_SUBMODULES),
         ),
     )
@@ -61,7 +61,7 @@ def get_layer_spec(config: Glm5Config, layer_idx: int, attention_type: Optional[
     attention_type = attention_type or config.layer_types[layer_idx]
     mlp_type = mlp_type or config.mlp_layer_types[layer_idx]
     attention = get_kda_module_spec() if attention_type == LINEAR_ATTENTION else get_dsa_module_spec()
-    mlp = get_moe_spec() if mlp_type == SPARSE_MLP else get_dense_mlp_spec()
+    mlp = get_moe_spec(config) if mlp_type == SPARSE_MLP else get_dense_mlp_spec()
     return ModuleSpec(
         module=Glm5TransformerLayer,
         submodules=Glm5LayerSubmodules(

@@ -107,7 +107,15 @@ class _SinkhornRecompute(torch.autograd.Function):
 
 
 def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, recompute: bool = True) -> torch.Tensor:
-    """HF's Sinkhorn-Knopp on the last two dims of ``comb``; ``recompute`` trades memory for a backward replay."""
+    """HF's Sinkhorn-Knopp on the last two dims of ``comb``; ``recompute`` trades memory for a backward replay.
+
+    On CUDA (fp32, triton installed) the whole iteration runs as one Triton kernel forward and one backward
+    (``megatron_glm5/kernels/sinkhorn.py``, which saves only the input, like ``recompute``)."""
+    if comb.is_cuda and comb.dtype == torch.float32:
+        from megatron_glm5.kernels import sinkhorn as fused
+
+        if fused.HAVE_TRITON:
+            return fused.sinkhorn(comb, iters, eps)
     if recompute and torch.is_grad_enabled() and comb.requires_grad:
         return _SinkhornRecompute.apply(comb, iters, eps)
     return _sinkhorn(comb, iters, eps)

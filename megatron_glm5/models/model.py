@@ -35,13 +35,13 @@ from megatron.core.transformer.multi_token_prediction import (
     MTPLossAutoScaler,
     MTPLossLoggingHelper,
     MultiTokenPredictionBlock,
-    roll_tensor,
     tie_word_embeddings_state_dict,
 )
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megatron_glm5.config import Glm5Config
+from megatron_glm5.models.context_parallel import local_image_features, mtp_loss_terms, roll_left_in_documents
 from megatron_glm5.models.layer_specs import get_layer_spec, get_mtp_block_spec, get_stage_layer_range
 from megatron_glm5.models.mhc import contract_streams, expand_streams
 from megatron_glm5.models.norms import RMSNorm
@@ -201,11 +201,13 @@ class Glm5Model(LanguageModule):
         return None
 
     # ------------------------------------------------------------------ pieces
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
-        """input_ids [b, s] -> embeddings [s, b, h] (full sequence, not scattered) with image features spliced in.
-
-        The vision tower is replicated over TP: every TP rank computes the same features, so its gradients are
-        equal on all TP ranks without a reduction (the scatter after the splice all-gathers the gradient)."""
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None,
+              packed_seq_params=None) -> torch.Tensor:
+        """input_ids [b, s] -> embeddings [s, b, h] (this CP rank's chunk, not scattered over TP) with image features
+        spliced in. Under context parallelism every rank runs the vision tower on all images of its row and splices
+        the features of its chunk's image tokens. The vision tower is replicated over TP: every TP rank computes the
+        same features, so its gradients are equal on all TP ranks without a reduction (the sequence-parallel
+        scatter after the splice all-gathers the gradient)."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is not None:
             if self.vision_model is None:
@@ -213,6 +215,7 @@ class Glm5Model(LanguageModule):
             from megatron_glm5.models.vision import splice_image_features
 
             feats = self.vision_model(pixel_values, image_grid_thw)
+            feats = local_image_features(feats, input_ids, packed_seq_params, self.config)
             emb = splice_image_features(input_ids, emb.transpose(0, 1), feats.to(emb.dtype),
                                         self.config).transpose(0, 1).contiguous()
         return emb
@@ -246,8 +249,8 @@ class Glm5Model(LanguageModule):
         document boundaries come from the mixers and ``packed_seq_params``; the LM is NoPE).
         """
         if self.pre_process:
-            emb = self._scatter_sp(self.embed(input_ids, pixel_values, image_grid_thw))
-            hidden = expand_streams(emb, self.hc_mult)
+            emb = self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params)
+            hidden = expand_streams(self._scatter_sp(emb), self.hc_mult)
         else:
             hidden = None  # the decoder reads the previous stage's streams
         hidden = self.decoder(hidden, packed_seq_params=packed_seq_params)
@@ -284,20 +287,20 @@ class Glm5Model(LanguageModule):
         cp_group = parallel_state.get_context_parallel_group()
         mtp_labels = labels
         for depth in range(self.config.mtp_num_layers):
-            mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp_group,
-                                        packed_seq_params=packed_seq_params)
-            loss_mask, num_tokens = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
-                                                packed_seq_params=packed_seq_params)
+            # contiguous CP chunks: shifts and loss cross chunk edges (models/context_parallel.py)
+            mtp_labels = roll_left_in_documents(mtp_labels, packed_seq_params, cp_group)
+            loss_mask = roll_left_in_documents(loss_mask, packed_seq_params, cp_group)
             mtp_loss = self._token_loss(self.output_logits(chunks[depth + 1]), mtp_labels.clamp(min=0))
-            mtp_loss = (mtp_loss * loss_mask).sum()
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
-            denom = loss_mask.sum().clamp(min=1)
-            self.last_mtp_loss = (mtp_loss / denom).detach()
-            if self.training:
+            # the row's MTP mean (logging) and this rank's objective: summed in per-token-loss runs (the step divides
+            # by the global token count, as megatron's GPTModel), else cp x its share of the row's mean
+            self.last_mtp_loss, mtp_objective = mtp_loss_terms(mtp_loss, loss_mask, cp_group,
+                                                               self.config.calculate_per_token_loss)
+            if self.training:  # megatron's 'mtp_{depth+1} loss' logging, averaged over data(+context) ranks
                 MTPLossLoggingHelper.save_loss_to_tracker(
                     self.last_mtp_loss, depth, self.config.mtp_num_layers,
                     avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_loss / denom)
+            hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_objective)
         return hidden
 
     # ------------------------------------------------------------------ MoE bookkeeping
@@ -333,14 +336,28 @@ class Glm5Model(LanguageModule):
         return sharded
 
     # ------------------------------------------------------------------ dtype
-    def to_dtype(self, dtype: torch.dtype) -> "Glm5Model":
-        """Cast parameters to ``dtype`` except the fp32 islands (params marked ``keep_fp32``: mHC base/scale,
-        KDA A_log/dt_bias/conv, router weight, indexer ape) and fp32 buffers (router expert bias)."""
-        for module in self.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if not getattr(p, "keep_fp32", False):
-                    p.data = p.data.to(dtype)
+    def _apply(self, fn, recurse=True):
+        """Every cast to a 16-bit float (``.bfloat16()`` — what megatron-core's ``Float16Module`` calls —,
+        ``.half()``, ``.to(dtype)``) leaves the fp32 islands in fp32: parameters marked ``keep_fp32`` (mHC
+        base/scale, KDA A_log/dt_bias/conv, router weight, indexer ape) and the fp32 buffers (router expert bias and
+        token counts). Device moves apply to them as usual."""
+        params = [(p, p.data) for p in self.parameters() if getattr(p, "keep_fp32", False)]
+        buffers = [(m, name, b) for m in self.modules() for name, b in m._buffers.items()
+                   if b is not None and b.dtype == torch.float32]
+        super()._apply(fn, recurse)
+        half = (torch.float16, torch.bfloat16)
+        for p, old in params:
+            if p.dtype in half and old.dtype == torch.float32:
+                p.data = old.to(device=p.device)
+        for m, name, old in buffers:
+            new = m._buffers[name]
+            if new is not None and new.dtype in half:
+                m._buffers[name] = old.to(device=new.device)
         return self
+
+    def to_dtype(self, dtype: torch.dtype) -> "Glm5Model":
+        """Cast to ``dtype``; the fp32 islands stay fp32 (see ``_apply``)."""
+        return self.to(dtype)
 
 
 def mark_fp32_islands(model: torch.nn.Module) -> None:

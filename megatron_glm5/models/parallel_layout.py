@@ -8,9 +8,9 @@ Pipeline stages use megatron-core's own config fields and arithmetic (``Transfor
 * ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` (Megatron-LM's
   ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``), the rest split evenly;
 * neither: an even split (megatron's default). When ``pipeline_model_parallel_size`` does not divide the decoder
-  layers (a 5-layer model at PP 2, the released 45 layers at PP 2/4/8) and no layout is given,
-  :func:`balanced_pipeline_layout` fills in a layout that puts the extra layers on middle stages first (the first
-  stage also runs the embedding and the vision tower, the last one the output layer, loss and MTP).
+  layers (a 5-layer model at PP 2, the released 45 layers at PP 2/4/8) and no layout is given, the config is
+  refused with one line that proposes :func:`balanced_pipeline_layout` (the extra layers on middle stages first:
+  the first stage also runs the embedding and the vision tower, the last one the output layer, loss and MTP).
 
 ``stage_layer_ranges(config)`` gives the global decoder-layer indices of every ``(pp_rank, vp_stage)``, computed
 from the config alone (no process groups), with megatron's ``get_transformer_layer_offset`` /
@@ -174,10 +174,10 @@ def _check_pipeline(config) -> None:
         first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
         stages = pp * (vpp or 1)
         if first is None and last is None and n % stages:
+            proposal = balanced_pipeline_layout(n, pp, vpp, bool(config.mtp_num_layers))
             raise _err("pipeline_model_parallel_size",
                        f"{stages} (virtual) pipeline stages do not divide {n} decoder layers; set "
-                       f"pipeline_model_parallel_layout (e.g. '{balanced_pipeline_layout(n, pp, vpp, bool(config.mtp_num_layers))}') "
-                       f"or num_layers_in_first/last_pipeline_stage")
+                       f"pipeline_model_parallel_layout (e.g. '{proposal}') or num_layers_in_first/last_pipeline_stage")
         middle_layers, middle_stages = n, pp
         for name, v in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
             if v is not None:
@@ -203,17 +203,11 @@ def _check_pipeline(config) -> None:
 
 
 def prepare_parallel_layout(config) -> None:
-    """Called by ``Glm5Config.__post_init__`` before megatron-core's own checks: fill in the balanced layout when the
-    pipeline stages do not divide the layers and no layout was given; mark pipeline transfers as variable-shape
-    (the mHC streams crossing a stage are ``[s, b, n*h]``, not megatron's default ``[s, b, h]``, so the schedules
-    exchange shapes first: ``variable_seq_lengths``); with two stages and virtual stages, unbatched p2p; then
-    :func:`check_parallel_layout`."""
+    """Called by ``Glm5Config.__post_init__`` before megatron-core's own checks: mark pipeline transfers as
+    variable-shape (the mHC streams crossing a stage are ``[s, b, n*h]``, not megatron's default ``[s, b, h]``, so
+    the schedules exchange shapes first: ``variable_seq_lengths``); with two stages and virtual stages, unbatched
+    p2p; then :func:`check_parallel_layout`."""
     pp = config.pipeline_model_parallel_size
-    vpp = config.virtual_pipeline_model_parallel_size
-    if (pp > 1 and config.pipeline_model_parallel_layout is None and config.num_layers_in_first_pipeline_stage is None
-            and config.num_layers_in_last_pipeline_stage is None and config.num_layers % (pp * (vpp or 1))):
-        config.pipeline_model_parallel_layout = balanced_pipeline_layout(config.num_layers, pp, vpp,
-                                                                         bool(config.mtp_num_layers))
     if pp > 1:
         config.variable_seq_lengths = True
     if pp == 2 and (config.virtual_pipeline_model_parallel_size or 1) > 1:

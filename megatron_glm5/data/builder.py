@@ -1,0 +1,219 @@
+"""Build the train / valid / test datasets from Megatron-LM-style arguments.
+
+Three sources, chosen by ``args``:
+
+- ``--mock-data``: megatron-core's ``MockGPTDataset`` (documents ``1, 2, ..., n-1, <eod>`` of pseudo-random
+  lengths, tokens modulo the vocabulary), sized for the run. Without a tokenizer the EOD id is 0.
+- ``--data-path`` with ``--dataset-type gpt`` (default): indexed text (``PREFIX.bin/.idx`` written by
+  ``tools/preprocess_data.py``), optionally weighted (``--data-path 0.3 A 0.7 B``), split by ``--split`` through
+  megatron-core's ``GPTDataset`` + ``BlendedMegatronDatasetBuilder``. Rows are ``seq_length`` tokens cut across
+  document boundaries (Megatron-LM pretraining), no ``cu_seqlens``.
+- ``--data-path`` with ``--dataset-type vqa``: packed image+text SFT rows (``data/vqa.py``) from JSONL files,
+  WebDataset tars or directories of them, split by ``--split`` over the records.
+
+Sample counts follow Megatron-LM: train ``train_iters * global_batch_size`` (or ``train_samples``), valid
+``(train_iters // eval_interval + 1) * eval_iters * global_batch_size``, test ``eval_iters * global_batch_size``.
+A split that gets no documents (e.g. the ``1`` of ``949,50,1`` on a small corpus) or no samples is ``None``.
+Bad input raises :class:`~megatron_glm5.data.DataError` (one line naming the flag) before anything is built.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from megatron_glm5.data import DataError
+
+DATASET_TYPES = ("gpt", "vqa")
+_SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _print_rank0(msg: str) -> None:
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def train_valid_test_num_samples(args) -> Tuple[int, int, int]:
+    """Samples each split must provide (Megatron-LM's ``get_train_valid_test_num_samples``)."""
+    train = getattr(args, "train_samples", None) or args.train_iters * args.global_batch_size
+    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
+    eval_interval = int(getattr(args, "eval_interval", 0) or 0)
+    evals = (args.train_iters // eval_interval + 1) if eval_interval > 0 else 1
+    return int(train), evals * eval_iters * args.global_batch_size, eval_iters * args.global_batch_size
+
+
+def _split_matrix(split: str):
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    try:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            vec = parse_and_normalize_split(split)
+    except (AssertionError, ValueError, ZeroDivisionError):
+        vec = None
+    if vec is None or not np.isfinite(vec).all():
+        raise DataError(f"--split {split!r}: expected up to three non-negative weights, e.g. 949,50,1")
+    return convert_split_vector_to_split_matrix(vec)
+
+
+def _split_range(bookend, n: int) -> Tuple[int, int]:
+    """Megatron's document range of one split (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``)."""
+    return int(round(bookend[0] * float(n))), int(round(bookend[1] * float(n)))
+
+
+class _MockTokenizer:
+    """What MockGPTDataset needs of a tokenizer when the run has none: the model's vocabulary, EOD 0."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = int(vocab_size)
+        self.eod = 0
+        self.pad = 0
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict([("class", "mock"), ("vocab_size", self.vocab_size), ("eod", self.eod)])
+
+
+def _check_tokenizer(tokenizer, model_config) -> None:
+    if tokenizer is None:
+        raise DataError("--tokenizer-model is required with --data-path")
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise DataError(f"--tokenizer-model: the tokenizer has {tokenizer.vocab_size} ids, more than the model's "
+                        f"vocab_size {model_config.vocab_size}")
+
+
+def _gpt_config(args, tokenizer, blend):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return GPTDatasetConfig(
+        random_seed=int(args.seed), sequence_length=int(args.seq_length), blend=blend,
+        split=args.split if blend is not None else None, path_to_cache=getattr(args, "data_cache_path", None),
+        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)), create_attention_mask=False,
+        mmap_bin_files=True, num_dataset_builder_threads=1)
+
+
+def _build_gpt(args, model_config, tokenizer, sizes, mock: bool):
+    try:  # GPTDataset / BlendedDataset index builders (compiled module shipped in the megatron-core wheel)
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError as e:
+        raise DataError(f"megatron-core's compiled dataset helpers are missing ({e}); see docs/data.md") from None
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    if mock:
+        config = _gpt_config(args, tokenizer or _MockTokenizer(model_config.vocab_size), None)
+        # mock splits are megatron's arbitrary 1,1,1; a split the run never reads is not built
+        config.split_matrix = [m if sizes[i] > 0 else None for i, m in enumerate(config.split_matrix)]
+        cls = MockGPTDataset
+    else:
+        try:
+            prefixes, weights = get_blend_from_list(list(args.data_path))
+        except (AssertionError, ValueError):
+            raise DataError(f"--data-path: expected PREFIX ... or WEIGHT PREFIX ..., got {args.data_path}") from None
+        if weights is not None and any(not (w > 0) for w in weights):
+            raise DataError(f"--data-path: weights must be positive, got {weights}")
+        for p in prefixes:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(p + ext):
+                    raise DataError(f"--data-path: {p}{ext} not found (write it with tools/preprocess_data.py)")
+        matrix = _split_matrix(args.split)
+        config = _gpt_config(args, tokenizer, (prefixes, weights))
+        for p in prefixes:  # splits without documents (or without samples to draw) are not built
+            n = len(IndexedDataset(p, mmap=True))
+            for i, bookend in enumerate(matrix):
+                if bookend is not None:
+                    beg, end = _split_range(bookend, n)
+                    if end <= beg or sizes[i] == 0:
+                        if sizes[i] > 0:
+                            _print_rank0(f"> --split {args.split}: the {_SPLIT_NAMES[i]} split of {p} ({n} "
+                                         f"documents) is empty: no {_SPLIT_NAMES[i]} dataset")
+                        matrix[i] = None
+        config.split_matrix = matrix
+        cls = GPTDataset
+    with warnings.catch_warnings():
+        # pad == eod (GLM has no separate pad token): megatron then pads with -1, which is what we want
+        warnings.filterwarnings("ignore", message="The pad token id in the tokenizer collides")
+        datasets = BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, config).build()
+    for name, ds in zip(_SPLIT_NAMES, datasets):
+        if ds is not None:
+            _print_rank0(f"> {'mock ' if mock else ''}{cls.__name__} {name}: {len(ds)} samples of "
+                         f"{args.seq_length} tokens")
+    return tuple(datasets)
+
+
+def _build_vqa(args, model_config, tokenizer, sizes):
+    from megatron_glm5.data.vqa import PackedVQADataset, VQADocuments, build_image_processor, read_vqa_records
+
+    if model_config.vision is None:
+        raise DataError("--dataset-type vqa: the model config has no vision_config")
+    for p in args.data_path:
+        try:
+            float(p)
+        except ValueError:
+            continue
+        if not os.path.exists(p):
+            raise DataError(f"--data-path: weights are not supported with --dataset-type vqa (got {p!r})")
+    matrix = _split_matrix(args.split)
+    hf_dir = getattr(args, "hf_config", None)
+    pre = os.path.join(hf_dir, "preprocessor_config.json") if isinstance(hf_dir, str) else None
+    processor = build_image_processor(model_config.vision, pre if pre and os.path.isfile(pre) else None,
+                                      getattr(args, "min_image_tokens", None), getattr(args, "max_image_tokens", None))
+    records = read_vqa_records(args.data_path)
+    docs = VQADocuments(records, tokenizer, model_config, processor)
+    out: List[Optional[PackedVQADataset]] = []
+    for i, (name, bookend) in enumerate(zip(_SPLIT_NAMES, matrix)):
+        if bookend is None or sizes[i] == 0:
+            out.append(None)
+            continue
+        beg, end = _split_range(bookend, len(docs))
+        if end <= beg:
+            _print_rank0(f"> --split {args.split}: the {name} split of {len(docs)} records is empty: no {name} "
+                         f"dataset")
+            out.append(None)
+            continue
+        ds = PackedVQADataset(docs, np.arange(beg, end), sizes[i], args.seq_length, args.seed, tokenizer.pad,
+                              split_index=i, name=name)
+        _print_rank0(f"> {ds.summary()}")
+        out.append(ds)
+    return tuple(out)
+
+
+def build_train_valid_test_datasets(args, model_config, tokenizer):
+    """(train, valid, test) map-style datasets (each possibly None) for ``args`` (see the module docstring).
+
+    ``args``: Megatron-LM attribute names ``mock_data``, ``data_path`` (list of str), ``split``, ``seq_length``,
+    ``seed``, ``train_iters``, ``global_batch_size``, ``eval_iters``, ``eval_interval``, plus ``dataset_type``
+    (``gpt`` | ``vqa``, default ``gpt``); optional: ``train_samples``, ``data_cache_path``, ``eod_mask_loss``,
+    ``hf_config`` (a directory; its ``preprocessor_config.json`` configures the image processor),
+    ``min_image_tokens`` / ``max_image_tokens``. ``model_config``: the ``Glm5Config``. ``tokenizer``: from
+    ``build_tokenizer`` (may be None with mock data).
+    """
+    dataset_type = getattr(args, "dataset_type", None) or "gpt"
+    if dataset_type not in DATASET_TYPES:
+        raise DataError(f"--dataset-type: expected one of {', '.join(DATASET_TYPES)}, got {dataset_type!r}")
+    if int(args.seq_length) <= 0:
+        raise DataError(f"--seq-length must be positive, got {args.seq_length}")
+    sizes = train_valid_test_num_samples(args)
+    if getattr(args, "mock_data", False):
+        if dataset_type != "gpt":
+            raise DataError("--mock-data makes text rows only: drop --dataset-type vqa or give --data-path")
+        if tokenizer is not None:
+            _check_tokenizer(tokenizer, model_config)
+        return _build_gpt(args, model_config, tokenizer, sizes, mock=True)
+    if not getattr(args, "data_path", None):
+        raise DataError("--data-path is required (or --mock-data)")
+    _check_tokenizer(tokenizer, model_config)
+    if dataset_type == "vqa":
+        return _build_vqa(args, model_config, tokenizer, sizes)
+    return _build_gpt(args, model_config, tokenizer, sizes, mock=False)

@@ -1,0 +1,355 @@
+"""Packed image+text SFT data (VQA): records -> tokenized documents -> first-fit packed THD rows.
+
+Sources (``--data-path``, one or more; ``--dataset-type vqa``):
+
+- a JSONL file: one ``{"image": PATH, "question": STR, "answer": STR}`` object per line; ``PATH`` is relative to
+  the JSONL's directory (or absolute); a record without ``image`` (or ``null``) is a text-only document;
+- a WebDataset tar (MedPix-VQA layout): members grouped by key (the member path up to the first dot of its file
+  name), each sample one image (``jpg|jpeg|png|webp``) and one ``json`` with ``question`` / ``answer``;
+- a directory: every ``*.tar`` in it (sorted), then every ``*.jsonl``.
+
+Document (chat format; the ids of the image span come from the model's HF config)::
+
+    <|user|>\\n  <begin_image> <image> * (t*h*w / merge^2) <end_image>  {question}  <|assistant|>\\n  {answer}  <eod>
+
+The text pieces ``"<|user|>\\n"``, ``question``, ``"<|assistant|>\\n"`` and ``answer`` are tokenized separately
+(no BOS); a tokenizer without ``<|user|>`` / ``<|assistant|>`` tokens spells them out. Loss: position ``j`` of a
+document is trained (``loss_mask`` 1) iff its label ``tokens[j+1]`` is an answer token or the closing ``<eod>``;
+a document's last token never is. Images go through transformers' ``Glm5NextImageProcessorPil`` (the PIL twin of
+``Glm5NextImageProcessor``; same output) set up from the vision config (patch size, temporal patch size, merge
+size), giving ``pixel_values`` ``[patches, C*T*P*P]`` and ``image_grid_thw`` ``[k, 3]`` per row.
+
+Packing: each split's documents are shuffled (``numpy`` ``default_rng([seed, split, epoch])``) and packed first-fit
+into rows of ``seq_length`` tokens, counting every expanded image token; the rows are then shuffled with the same
+generator. A document longer than ``seq_length`` is skipped (not truncated: cutting an image span would break the
+image-token / feature match) and counted in ``num_skipped``. Epochs are added until the split has at least
+``num_samples`` rows. Row ``i`` depends only on ``i``, the seed and the data, so resuming is starting the sampler at
+the consumed-samples count. ``packing_efficiency`` = document tokens / (rows x seq_length) over all rows built.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from megatron_glm5.cli import one_line
+from megatron_glm5.data import DataError
+from megatron_glm5.data.pack import assemble_row, first_fit
+
+USER_PREFIX = "<|user|>\n"
+ASSISTANT_PREFIX = "<|assistant|>\n"
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+_SPECIAL_ID_FIELDS = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+                      "video_start_token_id", "video_end_token_id")
+_PROCESSOR_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
+                   "image_std", "do_convert_rgb", "min_image_tokens", "max_image_tokens", "patch_expand_factor")
+
+
+# ------------------------------------------------------------------------------------------------ records
+@dataclass(frozen=True)
+class ImageRef:
+    """Where an image's encoded bytes live: a whole file, or ``size`` bytes at ``offset`` inside a tar."""
+
+    path: str
+    name: str
+    offset: int = 0
+    size: int = -1
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            return f.read(self.size)
+
+    def image_size(self):
+        """(width, height) from the image header, without decoding the pixels."""
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(self.read())) as img:
+                return img.size
+        except Exception as e:  # PIL raises several types for unreadable data
+            raise DataError(f"{self.name}: unreadable image ({one_line(e)})") from None
+
+    def load(self):
+        """The decoded PIL image (mode as stored; the image processor converts to RGB)."""
+        from PIL import Image
+
+        try:
+            img = Image.open(io.BytesIO(self.read()))
+            img.load()
+        except Exception as e:  # PIL raises several types for unreadable data
+            raise DataError(f"{self.name}: unreadable image ({one_line(e)})") from None
+        return img
+
+
+@dataclass(frozen=True)
+class VQARecord:
+    """One question/answer pair with an optional image; ``where`` names it in messages (file:line or tar:key)."""
+
+    question: str
+    answer: str
+    image: Optional[ImageRef]
+    where: str
+
+
+def _record(obj, where: str) -> tuple:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("question", "answer"):
+        if key not in obj:
+            raise DataError(f"{where}: missing key {key!r}")
+        if not isinstance(obj[key], str):
+            raise DataError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
+    return obj["question"], obj["answer"]
+
+
+def read_jsonl(path: str) -> List[VQARecord]:
+    """Records of a VQA JSONL file (image paths relative to the file's directory)."""
+    base = os.path.dirname(os.path.abspath(path))
+    out = []
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
+                q, a = _record(obj, where)
+                image = obj.get("image")
+                ref = None
+                if image is not None:
+                    if not isinstance(image, str):
+                        raise DataError(f"{where}: 'image' must be a path string, got {type(image).__name__}")
+                    full = image if os.path.isabs(image) else os.path.join(base, image)
+                    if not os.path.isfile(full):
+                        raise DataError(f"{where}: image {full} not found")
+                    ref = ImageRef(path=full, name=full)
+                out.append(VQARecord(q, a, ref, where))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return out
+
+
+def _split_key(member_name: str):
+    d, base = os.path.split(member_name)
+    stem, dot, ext = base.partition(".")
+    return (os.path.join(d, stem) if d else stem), ext.lower()
+
+
+def read_webdataset(path: str) -> List[VQARecord]:
+    """Records of a WebDataset tar: per key one ``json`` (question/answer) and at most one image."""
+    try:
+        tf = tarfile.open(path, "r:")
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"{path}: not a readable tar file ({one_line(e)})") from None
+    samples: Dict[str, dict] = {}
+    with tf:
+        for m in tf:
+            if not m.isfile():
+                continue
+            key, ext = _split_key(m.name)
+            s = samples.setdefault(key, {})
+            where = f"{path}:{key}"
+            if ext == "json":
+                try:
+                    s["json"] = json.loads(tf.extractfile(m).read().decode("utf-8"))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise DataError(f"{where}: bad JSON in {m.name} ({one_line(e)})") from None
+            elif ext in IMAGE_EXTENSIONS:
+                if "image" in s:
+                    raise DataError(f"{where}: more than one image ({s['image'].name}, {m.name})")
+                s["image"] = ImageRef(path=path, name=f"{path}:{m.name}", offset=m.offset_data, size=m.size)
+    out = []
+    for key, s in samples.items():
+        where = f"{path}:{key}"
+        if "json" not in s:
+            raise DataError(f"{where}: sample has no .json (question/answer)")
+        q, a = _record(s["json"], where)
+        out.append(VQARecord(q, a, s.get("image"), where))
+    return out
+
+
+def read_vqa_records(paths: Sequence[str]) -> List[VQARecord]:
+    """All records of ``paths`` (JSONL files, tars, or directories of them), in order."""
+    files: List[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = sorted(glob.glob(os.path.join(p, "*.tar"))) + sorted(glob.glob(os.path.join(p, "*.jsonl")))
+            if not found:
+                raise DataError(f"--data-path: directory {p} holds no *.tar or *.jsonl")
+            files.extend(found)
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise DataError(f"--data-path: {p} not found")
+    records: List[VQARecord] = []
+    for f in files:
+        records.extend(read_webdataset(f) if f.endswith(".tar") else read_jsonl(f))
+    if not records:
+        raise DataError(f"--data-path: no records in {', '.join(paths)}")
+    return records
+
+
+# ------------------------------------------------------------------------------------------------ images
+def build_image_processor(vision_config, preprocessor_config: Optional[str] = None,
+                          min_image_tokens: Optional[int] = None, max_image_tokens: Optional[int] = None):
+    """transformers' ``Glm5NextImageProcessorPil`` for ``vision_config`` (a ``Glm5VisionConfig``).
+
+    Patch size, temporal patch size and merge size come from the vision config. ``preprocessor_config`` (an HF
+    ``preprocessor_config.json``, optional) supplies the rest (mean / std, token budget ...) and must agree on the
+    three sizes; ``min_image_tokens`` / ``max_image_tokens`` (merged LM tokens per image) override it.
+    """
+    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+
+    sizes = {"patch_size": vision_config.patch_size, "temporal_patch_size": vision_config.temporal_patch_size,
+             "merge_size": vision_config.spatial_merge_size}
+    kw = {}
+    if preprocessor_config is not None:
+        try:
+            with open(preprocessor_config, "r", encoding="utf-8") as f:
+                pre = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(f"{preprocessor_config}: unreadable ({one_line(e)})") from None
+        for k, v in sizes.items():
+            if k in pre and pre[k] != v:
+                raise DataError(f"{preprocessor_config}: {k}={pre[k]} disagrees with the vision config ({v})")
+        kw = {k: pre[k] for k in _PROCESSOR_KEYS if k in pre}
+    if min_image_tokens is not None:
+        kw["min_image_tokens"] = int(min_image_tokens)
+    if max_image_tokens is not None:
+        kw["max_image_tokens"] = int(max_image_tokens)
+    return Glm5NextImageProcessorPil(**sizes, **kw)
+
+
+def image_token_count(image_processor, height: int, width: int) -> int:
+    """LM tokens (merged patches) the processor makes of a ``height`` x ``width`` image."""
+    return image_processor.get_number_of_image_patches(height, width) // image_processor.merge_size ** 2
+
+
+# ------------------------------------------------------------------------------------------------ documents
+class VQADocuments:
+    """The tokenized documents of a list of records (see the module docstring for the format).
+
+    Per document ``d``: ``tokens[d]`` int64 [L], ``targets[d]`` bool [L] (loss mask), ``images[d]`` (ImageRef or
+    None) and ``image_tokens[d]`` (number of ``<image>`` placeholders).
+    """
+
+    def __init__(self, records: Sequence[VQARecord], tokenizer, model_config, image_processor):
+        ids = {f: int(getattr(model_config, f)) for f in _SPECIAL_ID_FIELDS}
+        special = set(ids.values())
+        vocab = int(model_config.vocab_size)
+        eod = int(tokenizer.eod)
+        if eod in special or eod >= vocab:
+            raise DataError(f"--tokenizer-model: end-of-document id {eod} is an image/video id or outside the "
+                            f"model vocabulary ({vocab})")
+        texts = [USER_PREFIX, ASSISTANT_PREFIX]
+        for r in records:
+            texts += [r.question, r.answer]
+        tok = tokenizer.tokenize_batch(texts)
+        user, assistant = tok[0], tok[1]
+        self.tokens: List[np.ndarray] = []
+        self.targets: List[np.ndarray] = []
+        self.images: List[Optional[ImageRef]] = []
+        self.image_tokens: List[int] = []
+        for k, r in enumerate(records):
+            q, a = tok[2 + 2 * k], tok[3 + 2 * k]
+            for i in q + a + user + assistant:
+                if i in special or i >= vocab:
+                    what = ("an image/video placeholder id" if i in special
+                            else f"outside the model vocabulary ({vocab})")
+                    raise DataError(f"{r.where}: the text tokenizes to id {i}, {what}: the tokenizer does not fit "
+                                    f"the model config")
+            n_img = 0
+            span: List[int] = []
+            if r.image is not None:
+                w, h = r.image.image_size()
+                n_img = image_token_count(image_processor, h, w)
+                span = [ids["image_start_token_id"]] + [ids["image_token_id"]] * n_img + [ids["image_end_token_id"]]
+            prompt = user + span + q + assistant
+            toks = np.array(prompt + a + [eod], dtype=np.int64)
+            tgt = np.zeros(len(toks), dtype=bool)
+            tgt[len(prompt) - 1:len(toks) - 1] = True  # labels tokens[j+1] in answer + <eod>
+            self.tokens.append(toks)
+            self.targets.append(tgt)
+            self.images.append(r.image)
+            self.image_tokens.append(n_img)
+        self.image_processor = image_processor
+        self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+# ------------------------------------------------------------------------------------------------ dataset
+class PackedVQADataset(torch.utils.data.Dataset):
+    """Map-style packed rows of one split.
+
+    ``ds[i]``: ``tokens`` / ``labels`` [s] int64, ``loss_mask`` [s] float32, ``cu_seqlens`` [n_docs + 1] int32
+    (the padding tail counted as one document), plus ``pixel_values`` [patches, C*T*P*P] float32 and
+    ``image_grid_thw`` [k, 3] int64 when the row has images (images in row order).
+    Attributes: ``packing_efficiency``, ``num_skipped`` (documents longer than ``seq_length``), ``num_epochs``,
+    ``rows`` (document indices per row).
+    """
+
+    def __init__(self, documents: VQADocuments, doc_indices: np.ndarray, num_samples: Optional[int],
+                 seq_length: int, seed: int, pad_id: int, split_index: int = 0, name: str = "train"):
+        self.documents = documents
+        self.seq_length = int(seq_length)
+        self.pad_id = int(pad_id)
+        self.name = name
+        lengths = documents.lengths
+        fits = np.asarray([d for d in doc_indices if lengths[d] <= self.seq_length], dtype=np.int64)
+        self.num_documents = len(fits)
+        self.num_skipped = len(doc_indices) - len(fits)
+        if len(fits) == 0:
+            raise DataError(f"--seq-length {seq_length}: all {len(doc_indices)} {name} documents are longer "
+                            f"(the shortest has {int(lengths[doc_indices].min())} tokens with its image tokens)")
+        self.rows: List[List[int]] = []
+        self.num_epochs = 0
+        while self.num_epochs == 0 or (num_samples is not None and len(self.rows) < num_samples):
+            rng = np.random.default_rng([int(seed), int(split_index), self.num_epochs])
+            order = fits[rng.permutation(len(fits))]
+            bins = first_fit(lengths[order].tolist(), self.seq_length)
+            rows = [[int(order[j]) for j in b] for b in bins]
+            self.rows.extend(rows[k] for k in rng.permutation(len(rows)))
+            self.num_epochs += 1
+        used = sum(int(lengths[r].sum()) for r in self.rows)
+        self.packing_efficiency = used / (len(self.rows) * self.seq_length)
+
+    def summary(self) -> str:
+        return (f"packed VQA {self.name}: {len(self.rows)} rows of {self.seq_length} tokens from "
+                f"{self.num_epochs} epoch(s) of {self.num_documents} documents ({self.num_skipped} longer than "
+                f"seq_length skipped), "
+                f"packing efficiency {self.packing_efficiency:.3f}")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        docs = self.documents
+        row = self.rows[idx]
+        out = assemble_row([docs.tokens[d] for d in row], [docs.targets[d] for d in row], self.seq_length,
+                           self.pad_id)
+        with_image = [d for d in row if docs.images[d] is not None]
+        if with_image:
+            feats = docs.image_processor(images=[docs.images[d].load() for d in with_image], return_tensors="pt")
+            grid = feats["image_grid_thw"].to(torch.int64)
+            merge = docs.image_processor.merge_size ** 2
+            for d, g in zip(with_image, grid):
+                if int(g.prod()) // merge != docs.image_tokens[d]:
+                    raise DataError(f"{docs.images[d].name}: the image processor made {int(g.prod()) // merge} "
+                                    f"image tokens, the plan {docs.image_tokens[d]}")
+            out["pixel_values"] = feats["pixel_values"].to(torch.float32)
+            out["image_grid_thw"] = grid
+        return out

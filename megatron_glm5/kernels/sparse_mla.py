@@ -1,0 +1,309 @@
+"""Fused sparse MLA attention in the absorbed (MQA) form, forward and backward in Triton, with its PyTorch reference.
+
+The KPool DSA layer (``models/kpool_dsa.py``) attends, for every query, only to the positions its indexer selected.
+In the absorbed form all heads share one key/value row per position: the normalised KV latent ``c_t`` ``[R]``
+(``R = kv_lora_rank``). With ``q_lat = q W_kc`` ``[H, R]`` per query::
+
+    S_ij = scale * q_lat_i . c_j            for j in sel(i)           (per head)
+    P_i  = softmax_j(S_i)                                             (fp32)
+    o_i  = sum_j P_ij c_j                   [H, R]                    (o = o_lat; the caller applies W_vc)
+
+Layouts: ``q_lat [b, s, H, R]``, ``kv_lat [b, s, R]``, ``topk_indices [b, s, W]`` int (row positions in ``[0, s)``,
+``-1`` = unused slot) -> ``o_lat [b, s, H, R]``. Document masks need nothing here: the KPool indexer only selects
+positions of the query's own document (built from ``PackedSeqParams``), so following the indices is exactly the
+document-masked attention. The selected pools and the always-selected tail of the indexer are disjoint, so the
+kernel requires every row's valid indices to be **distinct** (a duplicate would be counted twice; the masked-dense
+reference counts it once). Rows without any valid index output zeros.
+
+Kernels (one program per query and block of heads; ``BLOCK_N`` selected rows gathered per step):
+
+* forward: online softmax over the gathered latent rows; saves ``lse`` ``[T, H]`` (log2 units). ``O(T (H R + W))``
+  memory, linear in the sequence length.
+* backward: recomputes ``P`` from ``lse``; ``dS = P (dO c^T - rowsum(dO o))``; ``dq_lat = scale dS c`` accumulated
+  in registers; ``dc = P^T dO + scale dS^T q_lat`` scattered with fp32 atomic adds into a ``[T, R]`` buffer.
+
+:func:`sparse_mla_reference` is the plain PyTorch reference (fp32 masked dense softmax over all positions,
+``O(s^2)``, for tests). Kernel tiling lives in :data:`FWD_CONFIG` / :data:`BWD_CONFIG`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+try:  # triton is optional: CPU machines run the reference only
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG", "BWD_CONFIG", "HAVE_TRITON"]
+
+FWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
+"""Forward tiling: heads per program (capped at the padded head count), selected rows per step, warps, stages."""
+BWD_CONFIG = dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1)
+"""Backward tiling; ``split=True`` runs dq and dkv as two kernels (less register pressure, recomputes P twice);
+``vec_red``: 1 = 16-byte vector reductions for dkv (sm_90 ``red.global.add.v4.f32``), 0 = scalar atomics."""
+
+_LOG2E = 1.4426950408889634
+
+
+# ============================================================================ PyTorch reference
+def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Masked dense reference of :func:`sparse_mla` in fp32 (duplicates count once). ``O(s^2)`` memory.
+
+    Args:
+        q_lat: ``[b, s, H, R]``; kv_lat: ``[b, s, R]``; topk_indices: ``[b, s, W]`` (``-1`` unused); scale: softmax
+            scale.
+    Returns:
+        ``[b, s, H, R]`` in ``q_lat.dtype``; rows with an empty selection are zero.
+    """
+    from megatron_glm5.models.kpool_dsa import topk_indices_to_mask
+
+    t = kv_lat.shape[1]
+    mask = topk_indices_to_mask(topk_indices, t)                                  # [b, s, t]
+    has_any = mask.any(-1)                                                        # [b, s]
+    scores = torch.einsum("bshr,btr->bsht", q_lat.float(), kv_lat.float()) * scale
+    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    scores = scores.masked_fill(~has_any[:, :, None, None], 0.0)
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bsht,btr->bshr", probs, kv_lat.float())
+    return (out * has_any[..., None, None]).to(q_lat.dtype)
+
+
+# ============================================================================ Triton kernels
+if HAVE_TRITON:
+
+    @triton.jit
+    def _program_query(Q, stride_qt, stride_qh, H, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's query row ``t``, head / latent / slot offsets and its ``q [BLOCK_H, R]`` block."""
+        t = tl.program_id(0).to(tl.int64)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_r = tl.arange(0, R)
+        offs_nb = tl.arange(0, BLOCK_N)
+        h_ok = offs_h < H
+        q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :], mask=h_ok[:, None],
+                    other=0.0)
+        return t, offs_h, offs_r, offs_nb, h_ok, q
+
+    @triton.jit
+    def _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r):
+        """Rows ``n0 .. n0 + BLOCK_N`` of this query's selection: ``(rows int64, ok, kv [BLOCK_N, R])``."""
+        offs_n = n0 + offs_nb
+        idx = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < n_end, other=-1)
+        ok = idx >= 0
+        rows = idx.to(tl.int64)
+        kv = tl.load(KV + rows[:, None] * stride_kvt + offs_r[None, :], mask=ok[:, None], other=0.0)
+        return rows, ok, kv
+
+    @triton.jit
+    def _sparse_mla_fwd_kernel(Q, KV, IDX, NEND, O, LSE, qk_scale,
+                               stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
+                               R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PREC: tl.constexpr):
+        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
+        n_end = tl.load(NEND + tl.program_id(0))
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, R], tl.float32)
+        for n0 in range(0, n_end, BLOCK_N):
+            rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+            s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PREC)
+            m_i = m_new
+        has = l_i > 0.0
+        l_safe = tl.where(has, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = tl.where(has, m_i + tl.math.log2(l_safe), float("inf"))
+        tl.store(O + t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :], o.to(O.dtype.element_ty),
+                 mask=h_ok[:, None])
+        tl.store(LSE + t * H + offs_h, lse, mask=h_ok)
+
+    @triton.jit
+    def _red_add_rows(DKV, rows, ok, vals, R: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+        """``DKV[rows[n], :] += vals[n, :]`` for the rows with ``ok`` (fp32, fire-and-forget reductions).
+
+        ``VEC = 0``: scalar atomics; ``1``: one 16-byte ``red.global.add.v4.f32`` (sm_90) per 4 columns; ``2``: the
+        same column split done with scalar atomics (checks the split on the Triton interpreter, which has no asm).
+        """
+        if VEC == 0:
+            tl.atomic_add(DKV + rows[:, None] * R + tl.arange(0, R)[None, :], vals, mask=ok[:, None],
+                          sem="relaxed")
+        else:
+            v = tl.reshape(vals, [BLOCK_N, R // 4, 2, 2])        # (n, 4k + 2a + b) -> (n, k, a, b)
+            b0, b1 = tl.split(v)                                   # b = 0 / 1: [BLOCK_N, R // 4, 2] over a
+            x0, x2 = tl.split(b0)                                  # columns 4k, 4k + 2
+            x1, x3 = tl.split(b1)                                  # columns 4k + 1, 4k + 3
+            ptr = DKV + rows[:, None] * R + (tl.arange(0, R // 4) * 4)[None, :]
+            if VEC == 1:
+                pred = tl.broadcast_to(ok[:, None], [BLOCK_N, R // 4]).to(tl.int32)
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; "
+                    "@p red.relaxed.gpu.global.add.v4.f32 [$1], {$3, $4, $5, $6}; }",
+                    "=r,l,r,f,f,f,f", [ptr.to(tl.int64), pred, x0, x1, x2, x3], dtype=tl.int32, is_pure=False,
+                    pack=1)
+            else:
+                m = tl.broadcast_to(ok[:, None], [BLOCK_N, R // 4])
+                # (`* 1.0`: the interpreter's atomics mishandle the strided views that split returns)
+                tl.atomic_add(ptr, x0 * 1.0, mask=m, sem="relaxed")
+                tl.atomic_add(ptr + 1, x1 * 1.0, mask=m, sem="relaxed")
+                tl.atomic_add(ptr + 2, x2 * 1.0, mask=m, sem="relaxed")
+                tl.atomic_add(ptr + 3, x3 * 1.0, mask=m, sem="relaxed")
+
+    @triton.jit
+    def _sparse_mla_bwd_kernel(Q, KV, O, DO, LSE, IDX, NEND, DQ, DKV, qk_scale, sm_scale,
+                               stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
+                               R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PREC: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DKV: tl.constexpr,
+                               VEC_RED: tl.constexpr):
+        # O, DO and DQ share one layout (stride_ot, stride_oh); Q has its own; DKV is fp32 [T, R] contiguous.
+        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
+        o_off = t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
+        do = tl.load(DO + o_off, mask=h_ok[:, None], other=0.0)
+        o = tl.load(O + o_off, mask=h_ok[:, None], other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                  # [BLOCK_H]
+        lse = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf"))
+        n_end = tl.load(NEND + tl.program_id(0))
+        dq = tl.zeros([BLOCK_H, R], tl.float32)
+        for n0 in range(0, n_end, BLOCK_N):
+            rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+            s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
+            p = tl.math.exp2(s - lse[:, None])
+            p = tl.where(ok[None, :], p, 0.0)
+            dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            if COMPUTE_DQ:
+                dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PREC)
+            if COMPUTE_DKV:
+                dkv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+                dkv += tl.dot(tl.trans((ds * sm_scale).to(q.dtype)), q, input_precision=PREC)
+                _red_add_rows(DKV, rows, ok, dkv, R, BLOCK_N, VEC_RED)
+        if COMPUTE_DQ:
+            tl.store(DQ + o_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
+
+
+def _block_h(H: int, cap: int) -> int:
+    return max(16, min(int(cap), triton.next_power_of_2(H)))
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end: torch.Tensor,
+                    scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, H, R]``, ``kv [T, R]``, ``idx [T, W]`` int32 (flat rows, ``-1`` unused), ``n_end [T]`` int32
+    -> ``(o [T, H, R], lse [T, H] fp32, log2 units)``."""
+    T, H, R = q.shape
+    cfg = FWD_CONFIG
+    bh = _block_h(H, cfg["BLOCK_H"])
+    o = torch.empty_like(q)
+    lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
+    grid = (T, triton.cdiv(H, bh))
+    _sparse_mla_fwd_kernel[grid](
+        q, kv, idx, n_end, o, lse, scale * _LOG2E,
+        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), H,
+        R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, lse
+
+
+def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                    idx: torch.Tensor, n_end: torch.Tensor, scale: float,
+                    passes=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq [T, H, R] in q.dtype, dkv [T, R] in kv.dtype)``. ``passes``: explicit list of
+    ``(compute_dq, compute_dkv)`` kernel launches (benchmarks time the two halves separately)."""
+    T, H, R = q.shape
+    cfg = BWD_CONFIG
+    bh = _block_h(H, cfg["BLOCK_H"])
+    do = do.contiguous()
+    dq = torch.empty_like(o)
+    dkv = torch.zeros(T, R, device=kv.device, dtype=torch.float32)
+    grid = (T, triton.cdiv(H, bh))
+    if passes is None:
+        passes = [(True, False), (False, True)] if cfg.get("split") else [(True, True)]
+    for compute_dq, compute_dkv in passes:
+        _sparse_mla_bwd_kernel[grid](
+            q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), H,
+            R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+            COMPUTE_DQ=compute_dq, COMPUTE_DKV=compute_dkv, VEC_RED=int(cfg.get("vec_red", 0)) if R % 4 == 0 else 0,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq.to(q.dtype), dkv.to(kv.dtype)
+
+
+class _SparseMLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, idx, n_end, scale):
+        o, lse = _sparse_mla_fwd(q, kv, idx, n_end, scale)
+        ctx.save_for_backward(q, kv, o, lse, idx, n_end)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, o, lse, idx, n_end = ctx.saved_tensors
+        dq, dkv = _sparse_mla_bwd(do, q, kv, o, lse, idx, n_end, ctx.scale)
+        return dq, dkv, None, None, None
+
+
+def prepare_indices(topk_indices: torch.Tensor, kv_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Flat kernel indices from ``topk_indices [b, s, W]`` (row positions; ``-1`` or out of range = unused).
+
+    Returns ``idx [b*s, W]`` int32 (row ``r`` of batch ``i`` -> ``i * kv_len + r``, ``-1`` unused) and
+    ``n_end [b*s]`` int32 (one past the last valid slot, so the kernel skips the unused tail of a row).
+    """
+    b, s, W = topk_indices.shape
+    idx = topk_indices.to(torch.int32)
+    valid = (idx >= 0) & (idx < kv_len)
+    if b > 1:
+        idx = idx + (torch.arange(b, device=idx.device, dtype=torch.int32) * kv_len)[:, None, None]
+    idx = torch.where(valid, idx, -1).reshape(b * s, W).contiguous()
+    pos = torch.arange(1, W + 1, device=idx.device, dtype=torch.int32)
+    n_end = (valid.reshape(b * s, W).to(torch.int32) * pos).amax(-1).to(torch.int32).contiguous()
+    return idx, n_end
+
+
+def sparse_mla(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor, scale: float,
+               prepared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """Fused sparse absorbed attention (CUDA + triton); same contract as :func:`sparse_mla_reference` except that
+    each row's valid indices must be distinct.
+
+    Args:
+        q_lat: ``[b, s, H, R]`` (R a power of two >= 16); kv_lat: ``[b, s, R]``; topk_indices: ``[b, s, W]``.
+        scale: softmax scale.
+        prepared: optional ``prepare_indices(topk_indices, s)`` result (reused across layers sharing a selection).
+    Returns:
+        ``o_lat [b, s, H, R]`` in ``q_lat.dtype``; differentiable w.r.t. ``q_lat`` and ``kv_lat``.
+    """
+    if not HAVE_TRITON:
+        raise RuntimeError("sparse_mla needs triton; use sparse_mla_reference (or dsa_backend='torch') instead")
+    b, s, H, R = q_lat.shape
+    t = kv_lat.shape[1]
+    if R & (R - 1) or R < 16:
+        raise ValueError(f"sparse_mla needs a power-of-two latent width >= 16, got {R}")
+    idx, n_end = prepared if prepared is not None else prepare_indices(topk_indices, t)
+    q = q_lat.reshape(b * s, H, R).contiguous()
+    kv = kv_lat.reshape(b * t, R).contiguous().to(q.dtype)
+    o = _SparseMLAFunction.apply(q, kv, idx, n_end, float(scale))
+    return o.reshape(b, s, H, R)
+
+
+def sparse_mla_flops(topk_indices: torch.Tensor, num_heads: int, latent: int) -> Tuple[float, float]:
+    """Useful (forward, backward) FLOPs of :func:`sparse_mla` for a selection: 4 H R per selected pair forward,
+    10 H R backward (S and dP recomputed, dq, two dkv products)."""
+    pairs = float((topk_indices >= 0).sum())
+    return 4.0 * pairs * num_heads * latent, 10.0 * pairs * num_heads * latent
+

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Time one KDA layer (fwd+bwd, bf16, released widths) per backend, against FLA's chunk_kda alone plus the
+layer's GEMMs at the measured matmul rate.
+
+    python scripts/bench_kda.py [--seqs 4096,16384] [--backends fla_fused,fla] [--iters 5]
+
+Prints, per length: each backend's layer time and peak memory, ``chunk_kda`` alone (fwd+bwd on inputs of the
+layer's shapes, gate and beta computed in-kernel, as the fused layer calls it), the projections' FLOPs (x3 for
+fwd+bwd) over the bf16 matmul rate measured at the start, and the ratio layer / (kernel + GEMMs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqs", default="4096,16384")
+    p.add_argument("--backends", default="fla_fused,fla")
+    p.add_argument("--iters", type=int, default=5)
+    a = p.parse_args(argv)
+
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    from bench_train_step import cuda_time, matmul_rate
+    from megatron_glm5.config import Glm5Config, glm5_flash_hf_config
+    from megatron_glm5.initialize import initialize_megatron
+    from megatron_glm5.models.kda import KimiDeltaAttention, get_kda_module_spec
+    from megatron_glm5.models.packing import make_packed_seq_params
+
+    initialize_megatron()
+    dev, dtype = "cuda", torch.bfloat16
+    rate = matmul_rate(dev)
+    hf = glm5_flash_hf_config()
+    print(f"bf16 matmul rate {rate / 1e12:.0f} TFLOP/s", flush=True)
+    layers = {}
+    for backend in a.backends.split(","):
+        cfg = Glm5Config.from_hf(hf, kda_backend=backend, params_dtype=torch.float32, use_cpu_initialization=True)
+        layers[backend] = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).to(dev).to(dtype)
+    cfg = next(iter(layers.values())).config
+    h, H, D = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
+    lb = cfg.linear_lower_bound
+    rows = []
+    for s in [int(x) for x in a.seqs.split(",")]:
+        psp = make_packed_seq_params(torch.tensor([0, s], dtype=torch.int32, device=dev))
+        x = torch.randn(s, 1, h, device=dev, dtype=dtype, requires_grad=True)
+        gy = torch.randn(s, 1, h, device=dev, dtype=dtype)
+        res = {}
+        for backend, layer in layers.items():
+            def run():
+                out, _ = layer(x, packed_seq_params=psp)
+                out.backward(gy)
+            torch.cuda.reset_peak_memory_stats()
+            res[backend] = (cuda_time(run, a.iters), torch.cuda.max_memory_allocated() / 2 ** 30)
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+        q, k, v, g = (torch.randn(1, s, H, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(4))
+        beta = torch.randn(1, s, H, device=dev, dtype=dtype, requires_grad=True)
+        A_log = torch.zeros(H, device=dev, requires_grad=True)
+        dt_bias = torch.zeros(H * D, device=dev, requires_grad=True)
+        go = torch.randn(1, s, H, D, device=dev, dtype=dtype)
+        cu = torch.tensor([0, s], dtype=torch.long)
+
+        def kernel():
+            o, _ = chunk_kda(q=q, k=k, v=v, g=g, beta=beta, scale=D ** -0.5, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lb,
+                             safe_gate=lb is not None, use_beta_sigmoid_in_kernel=True, cu_seqlens=cu.to(dev),
+                             cu_seqlens_cpu=cu)
+            o.backward(go)
+        t_kernel = cuda_time(kernel, a.iters)
+        HD = H * D
+        gemm_flops = 3 * 2 * s * (4 * h * HD + 2 * h * D + 2 * D * HD + h * H)
+        t_gemm = gemm_flops / rate * 1e3
+        for backend, (t, peak) in res.items():
+            line = (f"s={s:6d} kda backend={backend:9s}: layer fwd+bwd {t:7.1f} ms  peak {peak:5.1f} GiB | chunk_kda "
+                    f"alone {t_kernel:6.1f} ms + GEMMs {gemm_flops / 1e12:.2f} TFLOP = {t_gemm:5.1f} ms at the "
+                    f"matmul rate -> layer / (kernel + GEMMs) = {t / (t_kernel + t_gemm):.2f}")
+            rows.append(line)
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

@@ -1,0 +1,320 @@
+#!/usr/bin/env python
+"""One training step (bf16 forward + backward + AdamW) of transformers' Glm5Next and of our model, in one process.
+
+    python scripts/bench_train_step.py [--seqs 2048,4096,8192,16384,32768] [--models hf,ours] [--profile-seq 4096]
+        [--layers 4] [--experts 16] [--topk 8] [--recompute-from 16384] [--out FILE.json] [--tiny]
+
+Both models are built from the same HF config dict: the released widths (``glm5_flash_hf_config``), ``--layers``
+decoder layers (``linear_attention`` x (L-1) then ``indexed_attention``), every MLP an MoE with ``--experts`` experts
+top-``--topk``, ``index_topk`` 2048 / ``index_kpool`` 4, vision depth 1 (no image in the batch), no MTP.
+transformers' ``Glm5NextForConditionalGeneration`` is built with its defaults (grouped_mm experts, FLA kernels where
+installed); ours by ``build_model`` with ``default_backends('cuda')`` unless ``--ours-backends`` says otherwise
+(``--ours-backends kda_backend=fla_fused,dsa_backend=fused,moe_experts_backend=grouped`` is the fastest set).
+One document of ``s`` tokens per step. Printed per length: tokens/s, 6N-MFU against the bf16 matmul rate measured
+at the start (``N`` = active parameters: everything but the embedding and the vision tower, routed experts counted
+``topk / experts``), peak memory, the ratio ours / transformers; then a CUDA-time profile (top kernels) of our step
+at ``--profile-seq``. Lengths from ``--recompute-from`` on run with full activation recompute in both models
+(transformers' gradient checkpointing, our ``recompute_granularity='full'``); an OOM is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def proxy_hf_config(layers: int, experts: int, topk: int, index_topk: int, kpool: int, vision_depth: int,
+                    tiny: bool = False) -> dict:
+    """The benchmark's HF config dict (see the module docstring)."""
+    from megatron_glm5.config import INDEXED_ATTENTION, LINEAR_ATTENTION, glm5_flash_hf_config, tiny_hf_config
+
+    cfg = copy.deepcopy(tiny_hf_config() if tiny else glm5_flash_hf_config())
+    t = cfg["text_config"]
+    t.update(num_hidden_layers=layers, layer_types=[LINEAR_ATTENTION] * (layers - 1) + [INDEXED_ATTENTION],
+             mlp_layer_types=["sparse"] * layers, n_routed_experts=experts, num_experts_per_tok=topk,
+             n_group=1, topk_group=1)
+    if not tiny:
+        t.update(index_topk=index_topk, index_kpool=kpool)
+    t.pop("num_nextn_predict_layers", None)
+    t.pop("indexer_types", None)
+    cfg["vision_config"]["depth"] = vision_depth
+    return cfg
+
+
+def matmul_rate(dev: str, n: int = 8192, reps: int = 10) -> float:
+    """Measured dense bf16 matmul rate (FLOP/s) on random data."""
+    import torch
+
+    if dev != "cuda":
+        n, reps = 512, 3
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(dev)
+    return 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def cuda_time(fn, iters: int = 5) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream (CUDA events; one warm-up call first)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _sync(dev):
+    import torch
+
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def active_params(model, experts: int, topk: int) -> float:
+    """Parameters a token passes through, without the embedding and the vision tower."""
+    n = 0.0
+    for name, p in model.named_parameters():
+        if "embed" in name or "vision" in name or "visual" in name:
+            continue
+        frac = topk / experts if (".experts." in name and "shared" not in name) else 1.0
+        n += p.numel() * frac
+    return n
+
+
+def build_hf(cfg: dict, dev: str, dtype):
+    import torch
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    hf_cfg = Glm5NextConfig(**copy.deepcopy(cfg))
+    with torch.device(dev):
+        model = Glm5NextForConditionalGeneration._from_config(hf_cfg, dtype=dtype)
+    return model.train()
+
+
+def build_ours(cfg: dict, dev: str, dtype, backends: dict):
+    import torch
+
+    from megatron_glm5.config import Glm5Config
+    from megatron_glm5.models.builder import build_model
+
+    kw = dict(backends)
+    kw.update(params_dtype=torch.float32, use_cpu_initialization=dev != "cuda", perform_initialization=True)
+    if dtype == torch.bfloat16:
+        kw["bf16"] = True
+    config = Glm5Config.from_hf(cfg, **kw)
+    model = build_model(config, parallel_output=True)
+    model.to_dtype(dtype)
+    model.to(dev)
+    return model.train()
+
+
+def make_step(kind: str, model, ids, dev):
+    """A closure running one fwd + bwd + AdamW step; returns the loss."""
+    import torch
+
+    from megatron_glm5.models.packing import make_packed_seq_params
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, fused=dev == "cuda")
+    s = ids.shape[1]
+    labels = torch.roll(ids, -1, dims=1)
+    psp = make_packed_seq_params(torch.tensor([0, s], dtype=torch.int32, device=ids.device))
+
+    def step():
+        if kind == "hf":
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(ids, labels=labels, packed_seq_params=psp).float().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, opt
+
+
+def set_recompute(kind: str, model, on: bool):
+    if kind == "hf":
+        if on:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+    else:
+        model.config.recompute_granularity = "full" if on else None
+
+
+def time_steps(step, dev: str, warmup: int, iters: int):
+    import torch
+
+    for _ in range(warmup):
+        loss = step()
+    _sync(dev)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else float("nan")
+    times.sort()
+    return times[len(times) // 2], peak, float(loss.detach())
+
+
+def profile_step(step, dev: str, top: int, out_path: str = None) -> str:
+    """CUDA-time table (top kernels by self device time) of one step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync(dev)
+    key = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=90)
+    if out_path:
+        with open(out_path, "w") as fh:
+            fh.write(prof.key_averages().table(sort_by=key, row_limit=200, max_name_column_width=140))
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", default="2048,4096,8192,16384,32768")
+    p.add_argument("--models", default="hf,ours")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--index-topk", type=int, default=2048)
+    p.add_argument("--kpool", type=int, default=4)
+    p.add_argument("--vision-depth", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--recompute-from", type=int, default=16384)
+    p.add_argument("--profile-seq", type=int, default=4096, help="0: no profile")
+    p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--ours-backends", default="", help="e.g. kda_backend=fla,dsa_backend=torch (default: "
+                                                         "default_backends('cuda'))")
+    p.add_argument("--out", default="", help="write the results as JSON here (profile table next to it)")
+    p.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (smoke run)")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from megatron_glm5.initialize import initialize_megatron
+    from megatron_glm5.models.builder import default_backends
+
+    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    initialize_megatron()
+    torch.manual_seed(0)
+    cfg = proxy_hf_config(a.layers, a.experts, a.topk, a.index_topk, a.kpool, a.vision_depth, tiny=a.tiny)
+    experts, topk = cfg["text_config"]["n_routed_experts"], cfg["text_config"]["num_experts_per_tok"]
+    backends = default_backends(dev)
+    for item in filter(None, a.ours_backends.split(",")):
+        k, v = item.split("=")
+        backends[k] = v
+    rate = matmul_rate(dev)
+    print(f"device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"measured bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; ours: {backends}", flush=True)
+    seqs = [int(x) for x in a.seqs.split(",")]
+    vocab = cfg["text_config"]["vocab_size"]
+    results = {"matmul_tflops": rate / 1e12, "backends": backends, "config": cfg, "runs": {}}
+    profile_table = None
+    n_active = None
+    for kind in a.models.split(","):
+        model = build_hf(cfg, dev, dtype) if kind == "hf" else build_ours(cfg, dev, dtype, backends)
+        n_kind = active_params(model, experts, topk)
+        if kind == "ours":
+            n_active = n_kind
+        print(f"[{kind}] built: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
+              f"{n_kind / 1e9:.3f}B active (6N counts these)", flush=True)
+        for s in seqs:
+            g = torch.Generator().manual_seed(s)
+            ids = torch.randint(1, min(vocab, 150000) - 1, (1, s), generator=g).to(dev)
+            recompute = s >= a.recompute_from
+            set_recompute(kind, model, recompute)
+            rec = {"recompute": recompute}
+            try:
+                step, opt = make_step(kind, model, ids, dev)
+                t, peak, loss = time_steps(step, dev, a.warmup, a.iters)
+                rec.update(seconds=t, tokens_per_s=s / t, peak_gib=peak, loss=loss,
+                           mfu=6.0 * n_kind * s / t / rate)
+                print(f"[{kind}] s={s:6d}{' (recompute)' if recompute else ''}: {t * 1e3:9.1f} ms/step  "
+                      f"{s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  peak {peak:6.1f} GiB  "
+                      f"loss {loss:.3f}", flush=True)
+                if kind == "ours" and s == a.profile_seq:
+                    path = (os.path.splitext(a.out)[0] + f"_profile_{s}.txt") if a.out else None
+                    profile_table = profile_step(step, dev, a.profile_top, path)
+            except torch.OutOfMemoryError:
+                rec["oom"] = True
+                print(f"[{kind}] s={s:6d}: OOM", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on with the next length
+                rec["error"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"[{kind}] s={s:6d}: ERROR {rec['error']}", flush=True)
+            results["runs"][f"{kind}_{s}"] = rec
+            step = opt = None
+            gc.collect()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        del model
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+    results["active_params"] = n_active
+    print("\n| tokens | transformers tok/s | ours tok/s | ours / transformers | ours 6N-MFU | transformers 6N-MFU "
+          "| ours peak GiB | transformers peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def fmt(r, key, f):
+        if r is None:
+            return "-"
+        if "oom" in r:
+            return "OOM"
+        if "error" in r:
+            return "error"
+        return f.format(r[key])
+
+    for s in seqs:
+        h, o = results["runs"].get(f"hf_{s}"), results["runs"].get(f"ours_{s}")
+        ratio = (o["tokens_per_s"] / h["tokens_per_s"]) if (h and o and "seconds" in h and "seconds" in o) else None
+        tag = " (recompute)" if s >= a.recompute_from else ""
+        label = f"{s // 1024}K" if s % 1024 == 0 else str(s)
+        print(f"| {label}{tag} | {fmt(h, 'tokens_per_s', '{:,.0f}')} | {fmt(o, 'tokens_per_s', '{:,.0f}')} | "
+              f"{'-' if ratio is None else f'{ratio:.2f}'} | {fmt(o, 'mfu', '{:.1%}')} | {fmt(h, 'mfu', '{:.1%}')} | "
+              f"{fmt(o, 'peak_gib', '{:.1f}')} | {fmt(h, 'peak_gib', '{:.1f}')} |")
+    if profile_table:
+        print(f"\nCUDA-time profile of our step at s={a.profile_seq} (top kernels):\n{profile_table}")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as fh:
+            json.dump(results, fh, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Every parallel layout trains like one rank, through pretrain_glm5_vlm.py (torchrun, gloo, CPU, fp32).
+
+All runs start from the same initial weights (a layout-free dist checkpoint written here, loaded with
+--pretrained-checkpoint) and train 3 SGD steps on the same packed image+text rows. Per step, 'lm loss' (TensorBoard)
+must equal the one-rank run's to a relative 1e-5, and so must every weight of the final checkpoint (layout-free
+global tensors), measured against the largest weight of its tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.training_harness import error_lines, read_dist_checkpoint, run, scalars
+
+RTOL = 1e-5
+STEPS = 3
+
+# name: (ranks, extra flags, model variant)
+LAYOUTS = {
+    "tp2": (2, ["--tensor-model-parallel-size", "2"], "dense"),
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "moe"),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"], "moe"),
+    "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                     "--num-layers", "4"], "moe4"),
+    "pp2_mtp": (2, ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2"], "moe"),
+    "ep2": (2, ["--expert-model-parallel-size", "2"], "moe"),
+    "ep4": (4, ["--expert-model-parallel-size", "4"], "moe"),
+    "ep2_etp2": (4, ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], "moe"),
+    "cp2": (2, ["--context-parallel-size", "2"], "moe"),
+    "cp4": (4, ["--context-parallel-size", "4"], "moe"),
+    "dp2": (2, ["--use-distributed-optimizer"], "moe"),
+    "tp2_cp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
+                "moe"),
+    "tp2_pp2_ep2_dp2": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                            "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"], "moe4"),
+}
+
+
+def _hf_config(variant: str) -> dict:
+    """5 layers (KDA / DSA alternating, dense then MoE), vision tower, one MTP layer; 'dense': every MLP dense
+    (megatron-core refuses MoE under TP without sequence parallelism); 'moe4': 4 layers (even stages)."""
+    from megatron_glm5.config import tiny_hf_config
+
+    cfg = tiny_hf_config(num_layers=4 if variant == "moe4" else 5, mtp=True)
+    if variant == "dense":
+        cfg["text_config"]["mlp_layer_types"] = ["dense"] * 5
+        cfg["text_config"]["mtp_layer_types"] = ["indexed_attention", "dense"]
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("parallel_training")
+
+
+@pytest.fixture(scope="module")
+def data(workdir):
+    out = workdir / "data"
+    proc = run(["--out", str(out), "--text-docs", "4", "--vqa-docs", "10"],
+               script=os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "make_tiny_data.py"))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _initial_checkpoint(workdir, variant: str):
+    """(HF config dir, a dist checkpoint of random initial weights) for a model variant; written once."""
+    root = workdir / f"init_{variant}"
+    if (root / "ckpt" / "metadata.json").exists():
+        return root, root / "ckpt"
+    from megatron.core import dist_checkpointing
+
+    from megatron_glm5.config import Glm5Config
+    from megatron_glm5.models.builder import build_model
+
+    root.mkdir(exist_ok=True)
+    hf = _hf_config(variant)
+    (root / "config.json").write_text(json.dumps(hf))
+    torch.manual_seed(1234)
+    model = build_model(Glm5Config.from_hf(hf, use_cpu_initialization=True))
+    dist_checkpointing.save(model.sharded_state_dict(), str(root / "ckpt"))
+    (root / "ckpt" / "hf_config.json").write_text(json.dumps(hf))
+    return root, root / "ckpt"
+
+
+def _train(workdir, data, name: str, variant: str, flags, nproc: int):
+    hf, init = _initial_checkpoint(workdir, variant)
+    out = workdir / name
+    args = ["--hf-config", str(hf), "--pretrained-checkpoint", str(init),
+            "--dataset-type", "vqa", "--data-path", str(data / "vqa" / "vqa.jsonl"), "--tokenizer-model", str(data),
+            "--split", "1,0,0", "--seq-length", "48", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--train-iters", str(STEPS), "--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "0.05",
+            "--lr-decay-style", "constant", "--clip-grad", "0", "--weight-decay", "0",
+            "--moe-aux-loss-coeff", "1e-2", "--moe-router-bias-update-rate", "1e-2",
+            "--save", str(out / "ckpt"), "--no-save-optim", "--tensorboard-dir", str(out / "tb")] + list(flags)
+    proc = run(args, nproc=nproc, timeout=1500)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    losses = dict(scalars(out / "tb")["lm loss"])
+    weights = {k: v for k, v in read_dist_checkpoint(str(out / "ckpt" / f"iter_{STEPS:07d}")).items()
+               if not k.startswith("optimizer.")}
+    return losses, weights
+
+
+_REFERENCE = {}
+
+
+def _reference(workdir, data, variant: str, flags):
+    """One rank's run of the same model (the layout flags that change the model, --num-layers, are kept)."""
+    model_flags = []
+    if "--num-layers" in flags:
+        i = flags.index("--num-layers")
+        model_flags = flags[i:i + 2]
+    key = (variant, tuple(model_flags))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _train(workdir, data, f"ref_{variant}", variant, model_flags, 1)
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parallel(name, workdir, data, mcore):
+    nproc, flags, variant = LAYOUTS[name]
+    ref_losses, ref_weights = _reference(workdir, data, variant, flags)
+    losses, weights = _train(workdir, data, name, variant, flags, nproc)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in losses:
+        assert abs(losses[step] - ref_losses[step]) <= RTOL * abs(ref_losses[step]), (step, losses, ref_losses)
+    assert weights.keys() == ref_weights.keys()
+    worst = max(float((weights[k] - ref_weights[k]).abs().max() / ref_weights[k].abs().max().clamp(min=1e-12))
+                for k in ref_weights)
+    assert worst <= RTOL, worst
+
+
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_dp2(workdir, data, mcore):
+    """2 steps at TP2 x PP2, then the third step at EP2 x DP2 from that checkpoint (model, optimizer and scheduler
+    resharded): the third step's loss equals the one-rank run's."""
+    hf, init = _initial_checkpoint(workdir, "moe4")
+    ref_losses, _ = _reference(workdir, data, "moe4", [])
+    common = ["--hf-config", str(hf), "--dataset-type", "vqa", "--data-path", str(data / "vqa" / "vqa.jsonl"),
+              "--tokenizer-model", str(data), "--split", "1,0,0", "--seq-length", "48", "--micro-batch-size", "1",
+              "--global-batch-size", "4", "--train-iters", str(STEPS), "--optimizer", "sgd", "--sgd-momentum", "0",
+              "--lr", "0.05", "--lr-decay-style", "constant", "--clip-grad", "0", "--weight-decay", "0",
+              "--moe-aux-loss-coeff", "1e-2", "--moe-router-bias-update-rate", "1e-2"]
+    ck = workdir / "reshard" / "ckpt"
+    first = run(common + ["--pretrained-checkpoint", str(init), "--save", str(ck), "--exit-interval", "2",
+                          "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                          "--pipeline-model-parallel-size", "2"], nproc=4, timeout=1500)
+    assert first.returncode == 0, first.stderr[-4000:]
+    second = run(common + ["--load", str(ck), "--save", str(ck), "--expert-model-parallel-size", "2",
+                           "--tensorboard-dir", str(workdir / "reshard" / "tb")], nproc=4, timeout=1500)
+    assert second.returncode == 0, second.stderr[-4000:]
+    losses = dict(scalars(workdir / "reshard" / "tb")["lm loss"])
+    assert sorted(losses) == [3]
+    assert abs(losses[3] - ref_losses[3]) <= RTOL * abs(ref_losses[3]), (losses, ref_losses)
+
+
+@pytest.mark.parametrize("flags, world, needle", [
+    (["--tensor-model-parallel-size", "3"], 3, "tensor_model_parallel_size"),
+    (["--expert-model-parallel-size", "3"], 3, "expert"),
+    (["--pipeline-model-parallel-size", "3"], 3, "layers"),
+])
+def test_layout_that_does_not_divide_is_refused(flags, world, needle):
+    """Heads / experts / layers that do not divide by the layout: the model config refuses it (pretrain turns
+    this into one 'error: model config: ...' line, exit 2, before the process group or the model exist)."""
+    from megatron_glm5.training.arguments import model_config_from_args, parse_args
+
+    args = parse_args(["--model-preset", "glm5-tiny", "--mock-data", "--seq-length", "32", "--train-iters", "1",
+                       "--lr", "1e-3", "--num-layers", "4"] + flags, world_size=world)
+    with pytest.raises((ValueError, AssertionError)) as exc:
+        model_config_from_args(args, "cpu")
+    assert needle in str(exc.value), str(exc.value)

@@ -1,0 +1,295 @@
+"""The training entry (pretrain_glm5_vlm.py) end to end on CPU: flags, memorisation on the three data sources,
+exact resume, an interrupted save, NaN skipping, the expert-bias update, logging and bf16 fp32 islands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.training_harness import PRETRAIN, REPO, TINY, error_lines, read_dist_checkpoint, run, scalars
+
+ISSUE_FLAGS = """--tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
+  --expert-model-parallel-size --expert-tensor-parallel-size --context-parallel-size --sequence-parallel
+  --use-distributed-optimizer --micro-batch-size --global-batch-size --seq-length --train-iters --lr --min-lr
+  --lr-decay-style --lr-warmup-iters --weight-decay --clip-grad --adam-beta1 --adam-beta2 --bf16 --seed
+  --recompute-granularity --recompute-method --recompute-num-layers --moe-aux-loss-coeff
+  --moe-router-bias-update-rate --mtp-num-layers --mtp-loss-scaling-factor --data-path --split --mock-data
+  --tokenizer-model --save --load --pretrained-checkpoint --finetune --save-interval --eval-interval
+  --eval-iters --tensorboard-dir --log-interval --exit-interval --freeze-vision --hf-config --model-preset""".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A generated tokenizer, indexed text corpus and VQA set (tools/make_tiny_data.py)."""
+    out = tmp_path_factory.mktemp("data")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_data.py"), "--out", str(out),
+                           "--text-docs", "60", "--vqa-docs", "12"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_help_lists_the_megatron_flags():
+    proc = run(["--help"])
+    assert proc.returncode == 0
+    missing = [f for f in ISSUE_FLAGS if f not in proc.stdout]
+    assert not missing, missing
+
+
+BASE = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2",
+        "--lr", "1e-3"]
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--mock-data", "--global-batch-size", "3"], "--global-batch-size"),
+    (["--data-path", "/nonexistent/corpus_text_document", "--tokenizer-model", "/nonexistent"], "--data-path"),
+    (["--mock-data", "--seq-length", "0"], "--seq-length"),
+    (["--mock-data", "--min-lr", "1"], "--min-lr"),
+    (["--mock-data", "--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+    (["--mock-data", "--recompute-method", "uniform"], "--recompute-method"),
+    (["--mock-data", "--save-interval", "2"], "--save-interval"),
+    (["--mock-data", "--lr-decay-style", "sideways"], "--lr-decay-style"),
+    (["--mock-data", "--hf-config", "/nonexistent"], "--hf-config"),
+    (["--mock-data", "--finetune"], "--finetune"),
+])
+def test_bad_combination_is_one_line_and_exit_2(capsys, extra, flag):
+    from megatron_glm5.training.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + extra, world_size=2, prog="pretrain_glm5_vlm.py")
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exc.value.code == 2
+    assert len(err) == 1 and err[0].startswith("pretrain_glm5_vlm.py: error:") and flag in err[0], err
+
+
+def test_bad_combination_stops_the_script_before_any_work(tmp_path):
+    proc = run(BASE + ["--mock-data", "--global-batch-size", "3", "--tensorboard-dir", str(tmp_path / "tb")])
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1 and "--global-batch-size" in lines[0], proc.stderr
+    assert "not divisible by micro batch 2 x data parallel 1" in lines[0]
+    assert not (tmp_path / "tb").exists() and proc.stdout == ""
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    from megatron_glm5.config import tiny_hf_config
+
+    other = tiny_hf_config(mtp=True)
+    other["text_config"]["hidden_size"] = 96
+    ckpt = tmp_path / "other"
+    ckpt.mkdir()
+    (ckpt / "metadata.json").write_text("{}")
+    (ckpt / "hf_config.json").write_text(json.dumps(other))
+    proc = run(TINY + ["--mock-data", "--train-iters", "2", "--load", str(ckpt)])
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "--load" in lines[0] and "hidden_size" in lines[0] and "another architecture" in lines[0]
+
+
+def _halves(tb, tag="lm loss"):
+    values = [v for _, v in sorted(scalars(tb)[tag])]
+    assert len(values) == 30
+    return values[0], min(values[-3:])
+
+
+def test_memorise_mock_data(tmp_path):
+    tb = tmp_path / "tb"
+    proc = run(TINY + ["--mock-data", "--train-iters", "30", "--tensorboard-dir", str(tb),
+                       "--moe-aux-loss-coeff", "1e-3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = _halves(tb)
+    assert last <= first / 2, (first, last)
+    tags = scalars(tb)
+    for tag in ("lm loss", "mtp_1 loss", "load_balancing_loss", "learning-rate", "grad-norm", "params-norm",
+                "num-zeros", "iteration-time", "throughput", "throughput/tokens-per-sec-per-gpu",
+                "mem-allocated-bytes", "mem-max-allocated-bytes", "moe/expert-load-imbalance",
+                "moe/expert-load-imbalance/layer_0"):
+        assert tag in tags, (tag, sorted(tags))
+    assert all(v > 0 for _, v in tags["load_balancing_loss"]) and all(v > 0 for _, v in tags["mtp_1 loss"])
+    assert "iteration       30/      30" in proc.stdout and "lm loss:" in proc.stdout
+
+
+def test_memorise_indexed_text(tmp_path, tiny_data):
+    tb = tmp_path / "tb"
+    proc = run(TINY + ["--data-path", str(tiny_data / "text_text_document"), "--tokenizer-model", str(tiny_data),
+                       "--split", "1,0,0", "--train-iters", "30", "--tensorboard-dir", str(tb)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = _halves(tb)
+    assert last <= first / 2, (first, last)
+
+
+def test_memorise_packed_image_text(tmp_path, tiny_data):
+    tb = tmp_path / "tb"
+    args = [a for a in TINY]
+    args[args.index("--seq-length") + 1] = "96"
+    args[args.index("--micro-batch-size") + 1] = "1"
+    args[args.index("--global-batch-size") + 1] = "2"
+    proc = run(args + ["--dataset-type", "vqa", "--data-path", str(tiny_data / "vqa" / "vqa.jsonl"),
+                       "--tokenizer-model", str(tiny_data), "--split", "1,0,0", "--train-iters", "30",
+                       "--tensorboard-dir", str(tb)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = _halves(tb)
+    assert last <= first / 2, (first, last)
+    eff = scalars(tb)["packing-efficiency"]
+    assert 0.5 < eff[0][1] <= 1.0
+
+
+def test_exact_resume_and_a_save_killed_midway(tmp_path):
+    """6 steps straight == 3 steps, a save killed with SIGKILL at step 6, resume from 3, 3 more steps: the same
+    losses and bitwise the same weights and optimizer state."""
+    common = TINY + ["--mock-data", "--train-iters", "6", "--moe-aux-loss-coeff", "1e-3"]
+    a = run(common + ["--save", str(tmp_path / "a"), "--tensorboard-dir", str(tmp_path / "tba")])
+    assert a.returncode == 0, a.stderr[-3000:]
+    b = run(common + ["--save", str(tmp_path / "b"), "--save-interval", "3", "--test-kill-during-save", "6",
+                      "--tensorboard-dir", str(tmp_path / "tbb")])
+    assert b.returncode == -9, (b.returncode, b.stderr[-2000:])
+    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert any(".tmp-" in n for n in os.listdir(tmp_path / "b"))  # the interrupted save's temporary
+    c = run(common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b"),
+                      "--tensorboard-dir", str(tmp_path / "tbc")])
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert "resumed from" in c.stdout and "removed the unfinished checkpoint" in c.stdout
+    assert not any(".tmp-" in n for n in os.listdir(tmp_path / "b"))
+    la = dict(scalars(tmp_path / "tba")["lm loss"])
+    lc = dict(scalars(tmp_path / "tbc")["lm loss"])
+    assert sorted(lc) == [4, 5, 6] and all(la[i] == lc[i] for i in (4, 5, 6)), (la, lc)
+    sa = read_dist_checkpoint(str(tmp_path / "a" / "iter_0000006"))
+    sc = read_dist_checkpoint(str(tmp_path / "b" / "iter_0000006"))
+    assert sa.keys() == sc.keys() and any(k.startswith("optimizer.") for k in sa)
+    assert [k for k in sa if not torch.equal(sa[k], sc[k])] == []
+
+
+def test_nan_step_is_skipped_and_counted(tmp_path):
+    tb = tmp_path / "tb"
+    proc = run(TINY + ["--mock-data", "--train-iters", "4", "--inject-nan-at-iteration", "2",
+                       "--tensorboard-dir", str(tb)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "iteration 2: NaN/inf loss or grad norm, step skipped" in proc.stdout
+    tags = scalars(tb)
+    assert dict(tags["skipped-iterations"])[4] == 1
+    losses = dict(tags["lm loss"])
+    assert all(torch.isfinite(torch.tensor(losses[i])) for i in (1, 3, 4))
+    # parameters did not move at the skipped step: its params-norm equals the previous one
+    pn = dict(tags["params-norm"])
+    assert pn[2] == pn[1] and pn[3] != pn[2]
+
+
+def test_too_many_nan_steps_stop_the_run_with_the_checkpoint_intact(tmp_path):
+    proc = run(TINY + ["--mock-data", "--train-iters", "6", "--inject-nan-at-iteration", "3", "4",
+                       "--max-consecutive-skipped-iterations", "2", "--save", str(tmp_path / "ck"),
+                       "--save-interval", "2"])
+    lines = error_lines(proc)
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert "stopped at iteration 4" in lines[0] and "iteration 2" in lines[0]
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+SKEWED_SCRIPT = '''
+import sys, torch
+import pretrain_glm5_vlm as P
+
+class Skewed(torch.utils.data.Dataset):
+    """Every row is one token repeated: every token routes to the same experts."""
+    def __init__(self, n, s): self.n, self.s = n, s
+    def __len__(self): return self.n
+    def __getitem__(self, i):
+        t = torch.full((self.s,), 7, dtype=torch.long)
+        return {"tokens": t, "labels": t, "loss_mask": torch.ones(self.s)}
+
+def provider(args, config):
+    return Skewed(args.train_iters * args.global_batch_size, args.seq_length), None, None
+
+if __name__ == "__main__":
+    sys.exit(P.pretrain(provider, P.model_provider, P.forward_step, argv=sys.argv[1:], prog="skewed"))
+'''
+
+
+def test_expert_bias_moves_toward_balance(tmp_path):
+    script = tmp_path / "skewed.py"
+    script.write_text(SKEWED_SCRIPT)
+    rate = 0.05
+    proc = run(TINY + ["--train-iters", "3", "--lr", "0", "--min-lr", "0", "--moe-router-bias-update-rate", str(rate),
+                       "--save", str(tmp_path / "ck"), "--mock-data"], script=str(script))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sd = read_dist_checkpoint(str(tmp_path / "ck" / "iter_0000003"))
+    biases = {k: v for k, v in sd.items() if k.endswith("router.expert_bias") and not k.startswith("optimizer")}
+    assert biases
+    for k, bias in biases.items():
+        # the selected (overloaded) experts went down, the idle ones up, by the update rate per step
+        topk = 2
+        assert int((bias < 0).sum()) >= topk - 1 and int((bias > 0).sum()) >= bias.numel() - 2 * topk, (k, bias)
+        assert torch.allclose(bias.abs().max(), torch.tensor(3 * rate)), (k, bias)
+
+
+def test_fp32_islands_stay_fp32_under_bf16(tmp_path, mcore):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_glm5.config import tiny_config
+    from megatron_glm5.models.builder import build_model
+
+    cfg = tiny_config(mtp_num_layers=1, bf16=True, use_cpu_initialization=True)
+    model = build_model(cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if getattr(p, "keep_fp32", False)}
+    wrapped = Float16Module(cfg, model)
+    islands = {n: p for n, p in wrapped.module.named_parameters() if getattr(p, "keep_fp32", False)}
+    assert len(islands) >= 20
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in islands.items())
+    names = {n.split(".")[-1] for n in islands}
+    assert {"base", "scale", "A_log", "dt_bias", "index_kpool_compress_ape", "weight"} <= names
+    others = [p for n, p in wrapped.module.named_parameters() if n not in islands]
+    assert all(p.dtype == torch.bfloat16 for p in others)
+    assert all(b.dtype == torch.float32 for n, b in wrapped.module.named_buffers() if "expert_bias" in n)
+
+    proc = run(TINY + ["--mock-data", "--bf16", "--train-iters", "2", "--save", str(tmp_path / "ck")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sd = read_dist_checkpoint(str(tmp_path / "ck" / "iter_0000002"))
+    for name in islands:
+        assert sd[name].dtype == torch.float32, name
+    assert sd["decoder.layers.0.self_attention.linear_proj.weight"].dtype == torch.bfloat16 if (
+        "decoder.layers.0.self_attention.linear_proj.weight" in sd) else True
+    assert sd["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+    assert sd["optimizer.state.fp32_param.embedding.word_embeddings.weight"].dtype == torch.float32 if (
+        "optimizer.state.fp32_param.embedding.word_embeddings.weight" in sd) else True
+
+
+def test_converted_hf_checkpoint_first_step_loss_equals_hf_forward(tmp_path):
+    """HF checkpoint -> tools/convert_hf_to_mcore.py -> --pretrained-checkpoint: the first step's lm loss equals
+    the loss of tools/hf_forward.py's logits on the same batch (fp32, CPU)."""
+    import argparse
+
+    tools = os.path.join(REPO, "tools")
+    hf, mc = tmp_path / "hf", tmp_path / "mcore"
+    for cmd in ([os.path.join(tools, "make_tiny_hf_checkpoint.py"), "--out", str(hf), "--format", "fp32", "--mtp"],
+                [os.path.join(tools, "convert_hf_to_mcore.py"), "--hf-dir", str(hf), "--out", str(mc), "--dtype",
+                 "fp32", "--no-progress"]):
+        proc = run(cmd[1:], script=cmd[0])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    args = ["--hf-config", str(hf), "--mock-data", "--seq-length", "32", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--seed", "7"]
+    proc = run(args + ["--pretrained-checkpoint", str(mc), "--tensorboard-dir", str(tmp_path / "tb")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded model weights from" in proc.stdout
+    train_loss = dict(scalars(tmp_path / "tb")["lm loss"])[1]
+
+    # the same first micro batch, through the data builder the run used
+    from megatron_glm5.config import Glm5Config
+    from megatron_glm5.data.builder import build_train_valid_test_datasets
+    from megatron_glm5.training.arguments import parse_args
+
+    ns: argparse.Namespace = parse_args(args, world_size=1)
+    train_ds, _, _ = build_train_valid_test_datasets(ns, Glm5Config.from_hf(str(hf)), None)
+    row = train_ds[0]
+    torch.save({"input_ids": torch.as_tensor(row["tokens"]).long()[None]}, tmp_path / "in.pt")
+    proc = run(["--hf-dir", str(hf), "--input", str(tmp_path / "in.pt"), "--output", str(tmp_path / "out.pt")],
+               script=os.path.join(tools, "hf_forward.py"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logits = torch.load(tmp_path / "out.pt")["logits"][0]
+    labels = torch.as_tensor(row["labels"]).long()
+    mask = torch.as_tensor(row["loss_mask"]).float()
+    ce = torch.nn.functional.cross_entropy(logits.double(), labels, reduction="none")
+    ref = float((ce * mask).sum() / mask.sum())
+    assert abs(train_loss - ref) <= 1e-5 * abs(ref), (train_loss, ref)
