@@ -25,7 +25,7 @@ How the numbers are made (state them when you quote them):
   for all-reduce), SP all-gather / reduce-scatter around every TP block (forward, backward and the backward
   re-gather), EP all-to-all (dispatch + combine, both directions), ETP gather / scatter of the dispatched tokens,
   PP send / recv of the streams per micro-batch and virtual stage, CP all-gather of the DSA latents and indexer
-  keys plus the KDA state hand-over, DP reduce-scatter of fp32 grads + all-gather of bf16 params;
+  keys plus the KDA state summaries, DP reduce-scatter of fp32 grads + all-gather of bf16 params;
 * time: FLOPs (6 x active parameters per token, +2 x with full recompute, plus the attention / indexer terms) at
   ``--mfu`` of the GPU's dense bf16 peak (lowered by ``(tokens / 4096) ** 0.25`` when a rank's micro-batch holds
   fewer than 4096 tokens after CP: skinny GEMMs), the pipeline bubble ``(pp - 1) / (vpp * micro-batches)``, and the TP,
@@ -362,8 +362,11 @@ def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]]
         dsa_layers = sum(1 for i in stage_layers if cfg.layer_types[i] == "indexed_attention")
         kda_layers = len(stage_layers) - dsa_layers
         lat = plan.micro_batch_size * plan.seq_length * (cfg.kv_lora_rank + 2 * cfg.index_head_dim) * BF16
-        cp_bytes = (2 * lat * (cp - 1) / cp * dsa_layers
-                    + 2 * cfg.linear_num_heads / t * cfg.linear_head_dim ** 2 * FP32 * kda_layers) * M
+        # DSA: latents + indexer keys / gates of the whole row (fwd all-gather, bwd reduce-scatter); KDA: every
+        # rank's [H, K, V + K] state summary all-gathered (docs/context_parallel.md), forward and backward
+        K = cfg.linear_head_dim
+        summary = cfg.linear_num_heads / t * K * (K + K) * FP32
+        cp_bytes = (2 * lat * (cp - 1) / cp * dsa_layers + 2 * summary * (cp - 1) * kda_layers) * M
     pp_bytes = 0.0
     if pp > 1:
         pp_bytes = 2 * tok * cfg.hc_mult * cfg.hidden_size * BF16 / (t if sp else 1) * vpp * M
