@@ -16,7 +16,6 @@ import torch
 
 from megatron_glm5.data.synthetic import cu_seqlens_of, packed_documents
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from test_context_parallel import _env, _rel, spawn  # noqa: E402
@@ -88,7 +87,7 @@ def _train(model, batch, psp, steps=STEPS, lr=LR):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, mcore):
-    from make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     from megatron_glm5.models.packing import make_packed_seq_params
 
