@@ -40,7 +40,6 @@ import itertools
 import json
 import math
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field

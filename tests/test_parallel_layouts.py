@@ -11,11 +11,9 @@ TP-replicated parameters must agree on all TP ranks.
 Layouts that do not divide are refused with one line before any work.
 """
 
-import os
 import time
 
 import pytest
-import torch
 
 from parallel_harness import (
     Layout,

@@ -1,8 +1,6 @@
 """Pipeline layouts (uneven stages, megatron layout strings, virtual stages, MTP on the last stage), the one-line
 refusals of layouts that do not divide, and the same layout flags in the HF -> mcore converter."""
 
-import os
-import sys
 
 import pytest
 

@@ -154,7 +154,8 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
             "source": os.path.abspath(hf_dir), "format": "torch_dist", "dtype": dtype,
             "layout": {"tp": tp, "pp": pp, "ep": ep, **{k: v for k, v in (
                 ("pipeline_layout", pipeline_layout), ("first_stage_layers", first_stage_layers),
-                ("last_stage_layers", last_stage_layers)) if v is not None}}, "workers": workers, "threads": threads, "started": started,
+                ("last_stage_layers", last_stage_layers)) if v is not None}},
+            "workers": workers, "threads": threads, "started": started,
             "seconds": round(time.time() - t0, 3), "tensor_bytes": stats["bytes"], "checkpoint_bytes": disk,
             "num_tensors": len(sources), "hf_keys_skipped": report["skipped"], "mtp": mtp,
             "mtp_initialised": bool(mtp_init),
