@@ -7,7 +7,6 @@ needs triton); HF's ``recurrent_kimi_delta_attention`` / ``chunk_kimi_delta_atte
 
 import importlib.util
 import os
-import time
 
 import pytest
 import torch
