@@ -208,6 +208,9 @@ class Glm5Config(MLATransformerConfig):
             self.activation_func_clamp_value = self.swiglu_limit
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             self.pipeline_dtype = self.params_dtype
+        from megatron_glm5.models.parallel_layout import prepare_parallel_layout
+
+        prepare_parallel_layout(self)  # default uneven layout, one-line refusals of layouts that do not divide
         super().__post_init__()
 
     # ------------------------------------------------------------------ validation
@@ -267,6 +270,13 @@ class Glm5Config(MLATransformerConfig):
                      "group-limited routing is only equal to HF when num_experts_per_tok / topk_group == 2")
         if self.mtp_num_layers:
             need(self.mtp_num_layers == 1, "num_nextn_predict_layers", "only one MTP layer is supported")
+        if self.recompute_granularity == "selective":
+            bad = sorted(set(self.recompute_modules or []) - {"core_attn", "layernorm", "mlp", "moe", "shared_experts"})
+            need(not bad, "recompute_modules", f"{bad} not available in GLM layers (core_attn, layernorm, mlp, moe, "
+                                               f"shared_experts are)")
+        if self.recompute_granularity == "full" and self.mtp_num_layers and self.recompute_method == "uniform":
+            need(self.recompute_num_layers == 1, "recompute_num_layers",
+                 "must be 1 with recompute_method 'uniform' and an MTP layer (megatron-core's MTP recompute)")
         if self.vision is not None:
             self.vision.validate()
             need(self.vision.out_hidden_size == self.hidden_size, "vision_config.out_hidden_size",

@@ -9,13 +9,21 @@ megatron-core calls a few CUDA-only APIs unconditionally: ``torch.cuda.current_d
 * ``synchronize`` / ``set_device`` / ``empty_cache`` / nvtx push/pop -> no-ops;
 * ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` -> the CPU generator's (megatron's RNG tracker forks
   these for tensor-parallel dropout regions);
-* megatron-core's ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns a list when the tensor already is on
-  the CPU (upstream returns a tensor, which gloo's ``all_to_all_single`` rejects as split sizes);
+* megatron-core's ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns a numpy array when the tensor already
+  is on the CPU, as upstream does for a CUDA tensor (upstream returns the CPU tensor itself, which gloo's
+  ``all_to_all_single`` rejects as split sizes; the dispatcher also calls ``.tolist()`` on some of them);
 * literal ``device="cuda"`` tensor factories (``torch.zeros(..., device="cuda")`` and friends) in the megatron-core
   modules of the training path (optimizer, grad clipping, DDP buffers, pipeline schedules, MoE / MTP trackers)
   create the tensor on the CPU: those modules see a ``torch`` whose factories map a CUDA device to the CPU;
+* ``Tensor.cuda()`` returns the tensor itself (it stays on the CPU);
 * ``Tensor.type()`` (no arguments) of a CPU tensor names the CUDA type (``torch.cuda.FloatTensor``): megatron's
-  optimizers dispatch on these names (fp32 vs bf16 params, asserting fp32 grads); dtype checks stay exact.
+  optimizers dispatch on these names (fp32 vs bf16 params, asserting fp32 grads); dtype checks stay exact;
+* megatron-core's uneven all-gather / reduce-scatter along the first dim (``output_split_sizes`` /
+  ``input_split_sizes``: the MoE dispatcher's expert-tensor-parallel exchange) use list collectives that gloo only
+  supports with equal sizes: they run as an all-gather of row-padded equal blocks (then trimmed) and as an
+  all-reduce followed by this rank's slice (the same sums);
+* ``Tensor.cuda()`` of a CPU tensor returns the tensor itself (megatron's ``LanguageModule`` moves the embedding
+  copy of the first / last pipeline stage with ``.cuda()`` before all-reducing it).
 
 No math is touched: collectives, kernels and numerics stay the real ones. It is a no-op when CUDA is available,
 and is never called by the GPU training path.
@@ -93,6 +101,46 @@ def _install_cuda_type_names() -> None:
         return original(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = type_
+    # ``.cuda()`` moves (the distributed optimizer's checkpoint gather) keep the tensor where it is: the CPU
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+
+def _install_tensor_cuda_stays() -> None:
+    original = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        if self.device.type == "cpu":
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda
+
+
+def _install_uneven_first_dim_collectives() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(int(n) for n in output_split_sizes)
+        padded = input_.new_zeros((rows,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        blocks = [torch.empty_like(padded) for _ in range(group.size())]
+        torch.distributed.all_gather(blocks, padded.contiguous(), group=group)
+        return torch.cat([b[: int(n)] for b, n in zip(blocks, output_split_sizes)], dim=0)
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(int(n) for n in input_split_sizes[: group.rank()])
+        return total[start:start + int(input_split_sizes[group.rank()])].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
 class _InertStream:
@@ -189,4 +237,6 @@ def enable_cpu_compat() -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     _install_cpu_factories()
     _install_cuda_type_names()
+    _install_tensor_cuda_stays()
+    _install_uneven_first_dim_collectives()
     _ENABLED = True

@@ -20,7 +20,11 @@ def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp:
                         seed: int = 1234, backend: str | None = None, etp: int | None = None) -> None:
     """Initialise torch.distributed (from torchrun's env, or a 1-process group) and megatron's parallel state.
 
-    On a machine without CUDA this also enables :mod:`megatron_glm5.cpu_compat` and uses gloo.
+    ``tp`` tensor, ``pp`` pipeline, ``vpp`` virtual pipeline stages per rank (None: no interleaving), ``ep``
+    expert, ``etp`` expert-tensor (None: = tp), ``cp`` context parallel size; the data-parallel size is what is
+    left: ``world / (tp * pp * cp)`` (experts: ``world / (etp * ep * pp)``). A layout that does not divide the world
+    size raises ``ValueError`` with one line. On a machine without CUDA this also enables
+    :mod:`megatron_glm5.cpu_compat` and uses gloo.
     """
     if not torch.cuda.is_available():
         from megatron_glm5.cpu_compat import enable_cpu_compat
@@ -36,14 +40,22 @@ def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend)
     world = dist.get_world_size()
+    etp = tp if etp is None else etp
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("etp", etp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    if world % (etp * ep * pp):
+        raise ValueError(f"world size {world} is not divisible by etp*ep*pp = {etp * ep * pp} (expert layout)")
+    if vpp is not None and vpp > 1 and pp == 1:
+        raise ValueError(f"vpp {vpp} needs pp > 1")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp)
+        virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None, context_parallel_size=cp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -82,6 +82,7 @@ def _initial_checkpoint(workdir, variant: str):
     (root / "config.json").write_text(json.dumps(hf))
     torch.manual_seed(1234)
     model = build_model(Glm5Config.from_hf(hf, use_cpu_initialization=True))
+    (root / "ckpt").mkdir(exist_ok=True)  # megatron-core 0.16.1 saves into an existing directory
     dist_checkpointing.save(model.sharded_state_dict(), str(root / "ckpt"))
     (root / "ckpt" / "hf_config.json").write_text(json.dumps(hf))
     return root, root / "ckpt"

@@ -23,6 +23,8 @@ def run(args: List[str], script: str = PRETRAIN, timeout: int = 900, env: Option
     """Run the training script in a fresh process (``torchrun`` with gloo when ``nproc`` > 1)."""
     full_env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # set by in-process tests
+        full_env.pop(var, None)
     full_env.update(env or {})
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]

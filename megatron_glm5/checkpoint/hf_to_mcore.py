@@ -87,7 +87,9 @@ def conversion_sources(hf_dir: str, dtype: torch.dtype, mtp: bool, mtp_init: boo
 
 def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int = 1, pp: int = 1, ep: int = 1,
                         workers: int = 1, progress: bool = True, overwrite: bool = False, threads: int = 2,
-                        mtp_init: bool = False, log: Optional[Callable[[str], None]] = None) -> Dict:
+                        mtp_init: bool = False, log: Optional[Callable[[str], None]] = None,
+                        pipeline_layout: Optional[str] = None, first_stage_layers: Optional[int] = None,
+                        last_stage_layers: Optional[int] = None) -> Dict:
     """Convert ``hf_dir`` into a torch_dist checkpoint at ``out_dir``; returns the ``conversion_info.json`` dict.
 
     ``threads``: writer threads (files) per process. ``log``: where notices go (one line each)."""
@@ -107,7 +109,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
     torch_dtype = DTYPES[dtype]
 
     with atomic_output_dir(out_dir, inputs=[hf_dir], overwrite=overwrite, log=log) as tmp:
-        validate_layout(hf_dir, tp, pp, ep)
+        validate_layout(hf_dir, tp, pp, ep, pipeline_layout, first_stage_layers, last_stage_layers)
         reader = HFCheckpointReader(hf_dir)
         try:
             cfg0 = Glm5Config.from_hf(hf_dir)
@@ -150,7 +152,10 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
         disk = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
         info = {
             "source": os.path.abspath(hf_dir), "format": "torch_dist", "dtype": dtype,
-            "layout": {"tp": tp, "pp": pp, "ep": ep}, "workers": workers, "threads": threads, "started": started,
+            "layout": {"tp": tp, "pp": pp, "ep": ep, **{k: v for k, v in (
+                ("pipeline_layout", pipeline_layout), ("first_stage_layers", first_stage_layers),
+                ("last_stage_layers", last_stage_layers)) if v is not None}},
+            "workers": workers, "threads": threads, "started": started,
             "seconds": round(time.time() - t0, 3), "tensor_bytes": stats["bytes"], "checkpoint_bytes": disk,
             "num_tensors": len(sources), "hf_keys_skipped": report["skipped"], "mtp": mtp,
             "mtp_initialised": bool(mtp_init),

@@ -1,7 +1,8 @@
 """Convert an HF GLM-5.3 checkpoint (FP8 or BF16 safetensors) into a megatron-core torch_dist checkpoint.
 
     python tools/convert_hf_to_mcore.py --hf-dir DIR --out DIR [--tp N --pp N --ep N] [--dtype bf16|fp32]
-        [--workers N] [--threads N] [--mtp-init] [--overwrite] [--no-progress]
+        [--pipeline-model-parallel-layout STR | --decoder-first-pipeline-num-layers N
+         --decoder-last-pipeline-num-layers N] [--workers N] [--threads N] [--mtp-init] [--overwrite] [--no-progress]
 
 The model is built on the meta device and every tensor is read (mmap), dequantised (FP8), checked (finite, scales
 positive), fused (gate/up), cast and written by parallel writer threads, so memory stays at a few tensors. The
@@ -30,6 +31,13 @@ def parser() -> OneLineArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to validate for (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to validate for (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size to validate for (default 1)")
+    p.add_argument("--pipeline-model-parallel-layout", default=None, metavar="STR",
+                   help="megatron pipeline layout to validate for, e.g. 'Ettt|ttmL' (E embedding, t decoder layer, "
+                        "m MTP layer, L loss, | between stages)")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="decoder layers on the first pipeline stage (the rest split evenly)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="decoder layers on the last pipeline stage (the rest split evenly)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="dtype of the written tensors (fp32 islands stay fp32); default bf16")
     p.add_argument("--workers", type=int, default=1, help="conversion processes (default 1)")
@@ -51,7 +59,10 @@ def main(argv=None) -> int:
 
         info = convert_hf_to_mcore(args.hf_dir, args.out, dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep,
                                    workers=args.workers, threads=args.threads, progress=not args.no_progress,
-                                   overwrite=args.overwrite, mtp_init=args.mtp_init, log=stderr_line)
+                                   overwrite=args.overwrite, mtp_init=args.mtp_init, log=stderr_line,
+                                   pipeline_layout=args.pipeline_model_parallel_layout,
+                                   first_stage_layers=args.decoder_first_pipeline_num_layers,
+                                   last_stage_layers=args.decoder_last_pipeline_num_layers)
         gb = info["checkpoint_bytes"] / 1e9
         rate = info["tensor_bytes"] / 1e6 / max(info["seconds"], 1e-9)
         print(f"{PROG}: wrote {info['num_tensors']} tensors ({gb:.2f} GB, {info['dtype']}) to {args.out} in "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -51,6 +51,43 @@ def build_model(config: Glm5Config, pre_process: bool = True, post_process: bool
                       parallel_output=parallel_output)
     ensure_tp_attributes(model)
     return model
+
+
+def build_model_chunks(config: Glm5Config, parallel_output: bool = True, for_training: bool = True) -> List[Glm5Model]:
+    """This rank's model chunks, as megatron-LM's ``get_model`` builds them: one ``Glm5Model`` per virtual pipeline
+    stage (a one-element list without virtual stages), each with ``pre_process`` / ``post_process`` of its stage
+    (``parallel_state.is_pipeline_first_stage`` / ``is_pipeline_last_stage(ignore_virtual=False, vp_stage)``).
+
+    The list is what megatron-core's ``get_forward_backward_func()`` schedules and ``DistributedDataParallel`` /
+    ``get_megatron_optimizer`` take (wrap every chunk in DDP). Megatron's parallel state must be initialised with
+    the config's sizes (``initialize_megatron(tp, pp, ep, cp, vpp, etp=...)``); a mismatch raises one line.
+    ``for_training`` adds megatron-core's training-only layout rule (MoE with TP > 1 needs sequence parallelism).
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5.models.parallel_layout import check_parallel_layout
+
+    check_parallel_layout(config, for_training=for_training)
+    vpp = config.virtual_pipeline_model_parallel_size
+    state = {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+             "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+             "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
+             "context_parallel_size": ps.get_context_parallel_world_size(),
+             "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size()}
+    bad = [f"{k} {getattr(config, k)} vs {v}" for k, v in state.items()
+           if (getattr(config, k) or 1) != (v or 1)]
+    if bad:
+        raise ValueError("the config and megatron's parallel state disagree: " + ", ".join(bad)
+                         + " (initialize_megatron with the config's sizes)")
+    chunks = []
+    for v in range(vpp or 1):
+        vp_stage = v if vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        chunks.append(build_model(config, pre_process=pre, post_process=post, vp_stage=vp_stage,
+                                  parallel_output=parallel_output))
+    return chunks
 
 
 def ensure_tp_attributes(model: torch.nn.Module) -> None:

@@ -30,8 +30,10 @@ with ``index_kpool_always_select_tail = False``, for the first ``kpool - 1`` tok
 (HF's output is undefined there).
 
 Tensor parallelism: heads are sharded (``q_b_proj``/``kv_b_proj`` column-parallel, ``o_proj`` row-parallel);
-``q_a_proj``, ``kv_a_proj_with_mqa``, the two RMSNorms and the indexer are replicated. Sequence parallelism is not
-supported.
+``q_a_proj``, ``kv_a_proj_with_mqa``, the two RMSNorms and the indexer are replicated. Sequence parallelism: the
+input ``[s/tp, b, h]`` is all-gathered once on entry (the indexer and the latents need the whole sequence), the
+layer then runs as under plain TP (its replicated parts see identical gradients on every TP rank, so the gather's
+backward only takes this rank's slice), and ``o_proj`` reduce-scatters the output back to ``[s/tp, b, h]``.
 
 Context parallelism (a contiguous chunk of a packed row per CP rank, :mod:`megatron_glm5.models.context_parallel`):
 queries are this rank's tokens; the KV latents ``c`` (``r`` values per token) are all-gathered over the CP group
@@ -41,6 +43,7 @@ gathered latents.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -49,7 +52,10 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
@@ -219,8 +225,10 @@ class Glm5DSAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
         tp = get_pg_size(self.tp_group)
-        if config.sequence_parallel:
-            raise NotImplementedError("Glm5DSAttention does not support sequence parallelism")
+        self.sequence_parallel = bool(config.sequence_parallel) and tp > 1
+        # everything before o_proj runs on the gathered sequence, as under plain TP
+        full_seq_config = copy.copy(config)
+        full_seq_config.sequence_parallel = False
         self.cp_group = cp_group_of(pg_collection)
         if config.qk_pos_emb_head_dim:
             raise ValueError("GLM-5.3 DSA is NoPE: qk_pos_emb_head_dim must be 0")
@@ -245,15 +253,17 @@ class Glm5DSAttention(MegatronModule):
         eps = config.layernorm_epsilon
         self.q_a_proj = build_module(submodules.q_a_proj, h, self.q_lora_rank, config=config,
                                      init_method=config.init_method, bias=False)
-        self.q_a_layernorm = build_module(submodules.q_a_layernorm, config=config, hidden_size=self.q_lora_rank, eps=eps)
-        self.q_b_proj = build_module(submodules.q_b_proj, self.q_lora_rank, H * self.qk_head_dim, config=config,
-                                     init_method=config.init_method, bias=False, gather_output=False,
-                                     skip_bias_add=False, tp_group=self.tp_group)
+        self.q_a_layernorm = build_module(submodules.q_a_layernorm, config=full_seq_config,
+                                          hidden_size=self.q_lora_rank, eps=eps)
+        self.q_b_proj = build_module(submodules.q_b_proj, self.q_lora_rank, H * self.qk_head_dim,
+                                     config=full_seq_config, init_method=config.init_method, bias=False,
+                                     gather_output=False, skip_bias_add=False, tp_group=self.tp_group)
         self.kv_a_proj_with_mqa = build_module(submodules.kv_a_proj_with_mqa, h, self.kv_lora_rank, config=config,
                                                init_method=config.init_method, bias=False)
-        self.kv_a_layernorm = build_module(submodules.kv_a_layernorm, config=config, hidden_size=self.kv_lora_rank, eps=eps)
+        self.kv_a_layernorm = build_module(submodules.kv_a_layernorm, config=full_seq_config,
+                                           hidden_size=self.kv_lora_rank, eps=eps)
         self.kv_b_proj = build_module(submodules.kv_b_proj, self.kv_lora_rank,
-                                      H * (self.qk_head_dim + self.v_head_dim), config=config,
+                                      H * (self.qk_head_dim + self.v_head_dim), config=full_seq_config,
                                       init_method=config.init_method, bias=False, gather_output=False,
                                       skip_bias_add=False, tp_group=self.tp_group)
         self.o_proj = build_module(submodules.o_proj, H * self.v_head_dim, h, config=config,
@@ -313,7 +323,7 @@ class Glm5DSAttention(MegatronModule):
                 shared_topk_indices: Optional[torch.Tensor] = None, **kwargs):
         """
         Args:
-            hidden_states: ``[s, b, h]``.
+            hidden_states: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism).
             attention_mask: ignored (causality and document boundaries come from the indexer's selection).
             packed_seq_params: document boundaries of a packed row (``b = 1``).
             shared_topk_indices: ``[b, s, w]`` selection of the previous full DSA layer; required on 'shared'
@@ -321,9 +331,12 @@ class Glm5DSAttention(MegatronModule):
             **kwargs: other megatron attention arguments (rotary embeddings etc.), ignored (NoPE).
 
         Returns:
-            ``(output [s, b, h], topk_indices [b, s, w] int32)``; the selection is returned so that a later
+            ``(output [s(/tp), b, h], topk_indices [b, s, w] int32)``; the selection is returned so that a later
             'shared' layer can reuse it.
         """
+        if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, h]; backward: this rank's slice of the equal grads
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                                 group=self.tp_group)
         s, b, _ = hidden_states.shape
         q_resid = self.q_a_layernorm(linear_output(self.q_a_proj(hidden_states)))                 # [s, b, q_lora]
         q = linear_output(self.q_b_proj(q_resid)).view(s, b, self.num_heads_local, self.qk_head_dim)

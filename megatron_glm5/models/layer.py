@@ -9,6 +9,11 @@ Per site (HF ``Glm5NextTextDecoderLayer``)::
     post, comb, x = hc(streams)                  # x = sum_n pre_n * stream_n
     y = sublayer(norm(x))
     streams = post[..., None] * y[..., None, :] + comb^T @ streams
+
+Selective activation recompute (``recompute_granularity='selective'``, megatron's ``recompute_modules``):
+'layernorm' recomputes the two RMSNorms, 'core_attn' the whole mixer (KDA or DSA with its indexer: the
+projections are cheap next to the delta rule / sparse attention, and recomputing the module keeps their code
+untouched), 'mlp' the dense MLP; 'moe' and 'shared_experts' are handled by megatron's ``MoELayer``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
@@ -71,6 +77,35 @@ class Glm5TransformerLayer(MegatronModule):
             self.mlp = build_module(mlp_spec, config=config)
         if hasattr(self.mlp, "set_layer_number"):  # the MoE router logs its aux loss per layer (megatron contract)
             self.mlp.set_layer_number(layer_number)
+        modules = (config.recompute_modules or []) if config.recompute_granularity == "selective" else []
+        self.recompute_layernorm = "layernorm" in modules
+        self.recompute_attention = "core_attn" in modules
+        self.recompute_mlp = "mlp" in modules and not hasattr(self.mlp, "router")
+
+    def _recompute(self, flag: bool) -> bool:
+        return flag and self.training and torch.is_grad_enabled()
+
+    def _norm(self, norm, x):
+        if self._recompute(self.recompute_layernorm):
+            return tensor_parallel.checkpoint(norm, False, x)
+        return norm(x)
+
+    def _attention(self, x, attention_mask, packed_seq_params, shared_topk_indices):
+        """-> (output [s, b, h], topk_indices or None)."""
+        def run(x_, topk_):
+            if self.is_dsa:
+                return self.self_attention(x_, attention_mask=attention_mask, packed_seq_params=packed_seq_params,
+                                           shared_topk_indices=topk_)
+            return self.self_attention(x_, attention_mask=attention_mask, packed_seq_params=packed_seq_params)[0], None
+
+        if self._recompute(self.recompute_attention):
+            return tensor_parallel.checkpoint(run, False, x, shared_topk_indices)
+        return run(x, shared_topk_indices)
+
+    def _mlp(self, x):
+        if self._recompute(self.recompute_mlp):
+            return tensor_parallel.checkpoint(lambda x_: self.mlp(x_)[0], False, x)
+        return self.mlp(x)[0]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
                 shared_topk_indices: Optional[torch.Tensor] = None, **kwargs):
@@ -84,18 +119,13 @@ class Glm5TransformerLayer(MegatronModule):
         streams = hidden_states.view(s, b, n, nh // n)
 
         post, comb, x = self.attn_hc(streams)
-        x = self.input_layernorm(x)
-        topk = None
-        if self.is_dsa:
-            y, topk = self.self_attention(x, attention_mask=attention_mask, packed_seq_params=packed_seq_params,
-                                          shared_topk_indices=shared_topk_indices)
-        else:
-            y, _ = self.self_attention(x, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
+        x = self._norm(self.input_layernorm, x)
+        y, topk = self._attention(x, attention_mask, packed_seq_params, shared_topk_indices)
         streams = apply_hyper_connection_output(y, streams, post, comb)
 
         post, comb, x = self.ffn_hc(streams)
-        x = self.pre_mlp_layernorm(x)
-        y, _ = self.mlp(x)
+        x = self._norm(self.pre_mlp_layernorm, x)
+        y = self._mlp(x)
         streams = apply_hyper_connection_output(y, streams, post, comb)
         return streams.reshape(s, b, nh), topk
 

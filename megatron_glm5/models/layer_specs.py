@@ -24,7 +24,6 @@ from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionLayerSubmodules,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_glm5.config import INDEXED_ATTENTION, LINEAR_ATTENTION, SPARSE_MLP, Glm5Config
 from megatron_glm5.models.grouped_experts import GroupedExperts
@@ -77,13 +76,20 @@ def get_decoder_layer_specs(config: Glm5Config) -> List[ModuleSpec]:
     return [get_layer_spec(config, i) for i in range(config.num_layers)]
 
 
-def get_stage_layer_range(config: Glm5Config, vp_stage: Optional[int] = None) -> range:
-    """Global 0-based indices of the decoder layers this PP (and VPP) stage builds."""
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+def get_stage_layer_range(config: Glm5Config, vp_stage: Optional[int] = None,
+                          pp_rank: Optional[int] = None) -> range:
+    """Global 0-based indices of the decoder layers the PP stage ``pp_rank`` (default: this process's) and virtual
+    stage ``vp_stage`` builds (uneven stages, layouts and virtual stages: :mod:`megatron_glm5.models.parallel_layout`)."""
+    from megatron.core import parallel_state
 
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    count = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return range(offset, offset + count)
+    from megatron_glm5.models.parallel_layout import stage_layer_ranges
+
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if config.pipeline_model_parallel_size > 1 else 0
+    vpp = config.virtual_pipeline_model_parallel_size
+    if vpp and vpp > 1 and vp_stage is None:
+        raise ValueError("vp_stage is required with virtual pipeline stages")
+    return stage_layer_ranges(config)[(pp_rank, vp_stage or 0)]
 
 
 def get_mtp_block_spec(config: Glm5Config) -> Optional[ModuleSpec]:

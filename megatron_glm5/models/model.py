@@ -1,10 +1,19 @@
-"""GLM-5.3-Flash as a megatron-core model.
+"""GLM-5.3-Flash as a megatron-core language model (built like megatron-core's ``GPTModel``).
 
-    input_ids [b, s] -> embedding [s, b, h] (+ image features spliced at image-token positions)
-      -> expand to hc_mult streams [s, b, n*h] -> decoder layers (this PP stage) -> mean over streams [s, b, h]
-      -> final RMSNorm -> untied output layer -> logits [b, s, vocab] (or per-token loss [b, s] given labels)
-    MTP (optional, last stage): megatron-core MultiTokenPredictionBlock on the final-normed hidden state (as in
-    megatron's GPTModel); its loss joins the backward through megatron's MTPLossAutoScaler.
+    first stage:  input_ids [b, s] -> embedding [s, b, h] (+ image features spliced at image-token positions)
+                  -> (sequence parallel: scatter along s) -> expand to hc_mult streams [s, b, n*h]
+    every stage:  decoder layers of this PP (VPP) stage, streams in and out [s(/tp), b, n*h]
+    last stage:   mean over streams [s, b, h] -> final RMSNorm -> (MTP block) -> untied output layer
+                  -> logits [b, s, vocab(/tp)] (or per-token loss [b, s] given labels)
+
+Pipelines: the model of one (virtual) stage is built with ``pre_process`` / ``post_process`` (megatron's
+``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` of that stage, see ``builder.build_model_chunks``); a
+non-first stage reads its input from ``set_input_tensor`` (what megatron's schedules received from the previous
+stage). The streams between stages are ``[s(/tp), b, n*h]``, so the config sets ``variable_seq_lengths`` for the
+schedules' shape exchange. MTP (optional) runs on the last stage, which then also holds a copy of the word
+embedding, synchronised with the first stage's by megatron's ``LanguageModule`` mechanics (initial all-reduce
+over the embedding group, gradients all-reduced there by ``finalize_model_grads``, the copy tied in the sharded
+state dict).
 
 Module tree (state-dict names; the HF key table in ``checkpoint/hf_keys.py`` maps them):
     embedding.word_embeddings.weight, vision_model.*, decoder.layers.{j}.*, final_layernorm.weight,
@@ -13,21 +22,25 @@ Module tree (state-dict names; the HF key table in ``checkpoint/hf_keys.py`` map
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_token_prediction import (
     MTPLossAutoScaler,
     MTPLossLoggingHelper,
     MultiTokenPredictionBlock,
+    tie_word_embeddings_state_dict,
 )
 from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-from megatron_glm5.config import INDEXED_ATTENTION, Glm5Config
+from megatron_glm5.config import Glm5Config
 from megatron_glm5.models.context_parallel import local_image_features, mtp_loss_terms, roll_left_in_documents
 from megatron_glm5.models.layer_specs import get_layer_spec, get_mtp_block_spec, get_stage_layer_range
 from megatron_glm5.models.mhc import contract_streams, expand_streams
@@ -35,22 +48,24 @@ from megatron_glm5.models.norms import RMSNorm
 
 
 class Glm5Decoder(MegatronModule):
-    """The decoder layers of one PP (VPP) stage. Streams in and out are [s, b, n*h].
+    """The decoder layers of one PP (VPP) stage. Streams in and out are ``[s(/tp), b, n*h]``.
 
-    DSA layers whose ``indexer_types`` entry is 'shared' reuse the top-k indices of the previous full DSA layer;
-    both must sit on the same stage (checked at build time).
+    DSA layers whose ``indexer_types`` entry is 'shared' reuse the top-k indices of the previous full DSA layer,
+    which must sit on the same (virtual) stage (checked when the config is built and again here).
+
+    Activation recompute follows megatron-core's ``TransformerBlock``: ``recompute_granularity='full'`` with
+    ``recompute_method='uniform'`` checkpoints groups of ``recompute_num_layers`` layers, ``'block'`` checkpoints
+    the first ``recompute_num_layers`` layers of the stage one by one; ``'selective'`` is handled inside each layer
+    (``Glm5TransformerLayer``) and megatron's ``MoELayer`` ('moe', 'shared_experts').
     """
 
     def __init__(self, config: Glm5Config, vp_stage: Optional[int] = None, pg_collection=None):
         super().__init__(config=config)
+        from megatron_glm5.models.parallel_layout import check_shared_indexers
+
+        self.vp_stage = vp_stage
         self.layer_range = get_stage_layer_range(config, vp_stage)
-        stage_dsa = [i for i in self.layer_range if config.layer_types[i] == INDEXED_ATTENTION]
-        for i in stage_dsa:
-            if config.indexer_types[i] == "shared" and not any(
-                    j < i and config.indexer_types[j] == "full" for j in stage_dsa):
-                raise ValueError(
-                    f"indexer_types: shared DSA layer {i} has no full DSA layer before it on its pipeline stage "
-                    f"(layers {self.layer_range.start}..{self.layer_range.stop - 1}); change the PP layout")
+        check_shared_indexers(config, self.layer_range, "this pipeline stage")
         self.layers = torch.nn.ModuleList([
             build_module(get_layer_spec(config, i), config=config, layer_number=i + 1, vp_stage=vp_stage,
                          pg_collection=pg_collection)
@@ -59,6 +74,7 @@ class Glm5Decoder(MegatronModule):
         self.input_tensor = None
 
     def set_input_tensor(self, input_tensor):
+        """The streams received from the previous pipeline stage (megatron's schedules call this)."""
         self.input_tensor = input_tensor
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
@@ -73,72 +89,125 @@ class Glm5Decoder(MegatronModule):
             out.update(layer_sd)
         return out
 
-    def _layer_forward(self, layer, hidden_states, packed_seq_params, shared_topk):
-        if self.config.recompute_granularity == "full" and self.training:
-            def run(h, t):
-                out, topk = layer(h, packed_seq_params=packed_seq_params, shared_topk_indices=t)
-                return out, topk
-            return tensor_parallel.checkpoint(run, False, hidden_states, shared_topk)
-        return layer(hidden_states, packed_seq_params=packed_seq_params, shared_topk_indices=shared_topk)
-
-    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
-        shared_topk = None
-        for layer in self.layers:
-            hidden_states, topk = self._layer_forward(layer, hidden_states, packed_seq_params, shared_topk)
+    def _run(self, start: int, end: int, hidden_states, shared_topk, packed_seq_params):
+        """Layers ``start..end-1`` (local indices); returns (streams, top-k of the last full or shared DSA layer)."""
+        for layer in self.layers[start:end]:
+            hidden_states, topk = layer(hidden_states, packed_seq_params=packed_seq_params,
+                                        shared_topk_indices=shared_topk)
             if topk is not None:
                 shared_topk = topk
+        return hidden_states, shared_topk
+
+    def _checkpointed(self, start: int, end: int, hidden_states, shared_topk, packed_seq_params):
+        def run(h, t):
+            return self._run(start, end, h, t, packed_seq_params)
+
+        return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations, hidden_states, shared_topk)
+
+    def forward(self, hidden_states: Optional[torch.Tensor], packed_seq_params=None) -> torch.Tensor:
+        """``hidden_states`` ``[s(/tp), b, n*h]`` (None on a non-first pipeline stage: the tensor given to
+        :meth:`set_input_tensor`) -> streams of the same shape."""
+        if hidden_states is None:
+            hidden_states = self.input_tensor
+        n = len(self.layers)
+        if n == 0:  # a stage without decoder layers (a layout such as 'E|tttt|L'): pass the streams on
+            return hidden_states.clone()
+        cfg = self.config
+        full = cfg.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
+        shared = None
+        if full and cfg.recompute_method == "uniform":
+            i = 0
+            while i < n:
+                j = min(n, i + cfg.recompute_num_layers)
+                hidden_states, shared = self._checkpointed(i, j, hidden_states, shared, packed_seq_params)
+                i = j
+            return hidden_states
+        for i in range(n):
+            if full and cfg.recompute_method == "block" and i < cfg.recompute_num_layers:
+                hidden_states, shared = self._checkpointed(i, i + 1, hidden_states, shared, packed_seq_params)
+            else:
+                hidden_states, shared = self._run(i, i + 1, hidden_states, shared, packed_seq_params)
         return hidden_states
 
 
-class Glm5Model(MegatronModule):
-    """GLM-5.3-Flash (text decoder + optional vision tower + optional MTP) on megatron-core."""
+class Glm5Model(LanguageModule):
+    """GLM-5.3-Flash (text decoder + optional vision tower + optional MTP) on megatron-core, one (virtual)
+    pipeline stage of it.
+
+    Args:
+        config: the model config (parallel sizes and pipeline layout included).
+        pre_process: this stage holds the embedding and the vision tower (first stage).
+        post_process: this stage holds the final norm, the output layer, the loss and the MTP block (last stage).
+        vp_stage: virtual pipeline stage of this model chunk (None without virtual stages).
+        pg_collection: process groups (default: megatron's global ones).
+        parallel_output: keep logits split over the vocabulary (TP) when no labels are given.
+        max_sequence_length: informational (the LM has no position embedding).
+    """
 
     def __init__(self, config: Glm5Config, pre_process: bool = True, post_process: bool = True,
                  vp_stage: Optional[int] = None, pg_collection=None, parallel_output: bool = True,
                  max_sequence_length: int = 1 << 20):
-        super().__init__(config=config)
-        self.config = config
+        super().__init__(config=config, pg_collection=pg_collection)
         self.pre_process = pre_process
         self.post_process = post_process
         self.vp_stage = vp_stage
         self.parallel_output = parallel_output
         self.hc_mult = config.hc_mult
-        if pre_process:
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
+        self.share_embeddings_and_output_weights = bool(config.tie_word_embeddings)
+        self.mtp_process = bool(config.mtp_num_layers) and post_process
+        self.vision_model = None
+        if pre_process or self.mtp_process:
+            # not scattered along s inside: image features are spliced into the full sequence first
             self.embedding = LanguageModelEmbedding(config, vocab_size=config.vocab_size,
                                                     max_sequence_length=max_sequence_length,
-                                                    position_embedding_type="none")
-            if config.vision is not None:
-                from megatron_glm5.models.vision import Glm5VisionModel
+                                                    position_embedding_type="none",
+                                                    scatter_to_sequence_parallel=False, tp_group=self.tp_group)
+        if pre_process and config.vision is not None:
+            from megatron_glm5.models.vision import Glm5VisionModel
 
-                self.vision_model = Glm5VisionModel(config)
-            else:
-                self.vision_model = None
-        self.decoder = Glm5Decoder(config, vp_stage=vp_stage, pg_collection=pg_collection)
-        self.mtp_process = bool(config.mtp_num_layers) and post_process
+            self.vision_model = Glm5VisionModel(config)
+        self.decoder = Glm5Decoder(config, vp_stage=vp_stage, pg_collection=self.pg_collection)
         if post_process:
             self.final_layernorm = RMSNorm(config, config.hidden_size, config.layernorm_epsilon)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, config=config, init_method=config.init_method, bias=False,
                 skip_bias_add=False, gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and config.tie_word_embeddings)
+                skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights,
+                tp_group=self.tp_group)
             if self.mtp_process:
-                if not pre_process:
-                    raise ValueError("MTP needs the embedding on the last pipeline stage; use PP=1 with MTP for now")
                 self.mtp = MultiTokenPredictionBlock(config=config, spec=get_mtp_block_spec(config),
-                                                     vp_stage=vp_stage, pg_collection=pg_collection)
+                                                     vp_stage=vp_stage, pg_collection=self.pg_collection)
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
         mark_fp32_islands(self)
 
     # ------------------------------------------------------------------ pipeline glue
     def set_input_tensor(self, input_tensor):
+        """megatron's schedules pass a list with the previous stage's output (the streams)."""
         if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"Glm5Model takes one input tensor from the previous stage, got {len(input_tensor)}")
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The word embedding on stages that hold one (first stage, and the MTP stage), else the output weight
+        (megatron's GPTModel contract: MTP needs the embedding on the last stage)."""
+        if self.pre_process or self.mtp_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
 
     # ------------------------------------------------------------------ pieces
     def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None,
               packed_seq_params=None) -> torch.Tensor:
-        """input_ids [b, s] -> embeddings [s, b, h] with image features spliced in. Under context parallelism every
-        rank runs the vision tower on all images of its row and splices the features of its chunk's image tokens."""
+        """input_ids [b, s] -> embeddings [s, b, h] (this CP rank's chunk, not scattered over TP) with image features
+        spliced in. Under context parallelism every rank runs the vision tower on all images of its row and splices
+        the features of its chunk's image tokens. The vision tower is replicated over TP: every TP rank computes the
+        same features, so its gradients are equal on all TP ranks without a reduction (the sequence-parallel
+        scatter after the splice all-gathers the gradient)."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is not None:
             if self.vision_model is None:
@@ -151,15 +220,22 @@ class Glm5Model(MegatronModule):
                                         self.config).transpose(0, 1).contiguous()
         return emb
 
+    def _scatter_sp(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] -> this TP rank's [s/tp, b, h] under sequence parallelism (identity otherwise)."""
+        if self.config.sequence_parallel:
+            return tensor_parallel.scatter_to_sequence_parallel_region(x, group=self.tp_group)
+        return x
+
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[s, b, h] normalised hidden -> [s, b, vocab(/tp)] logits (the untied lm_head, shared with MTP)."""
-        weight = self.embedding.word_embeddings.weight if (
-            self.config.tie_word_embeddings and self.pre_process) else None
+        """[s(/tp), b, h] normalised hidden -> [s, b, vocab(/tp)] logits (the output layer, shared with MTP; under
+        sequence parallelism it all-gathers the sequence first)."""
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden, weight=weight)
         return logits
 
     def _mtp_embedding(self, input_ids, position_ids):
-        return self.embedding(input_ids=input_ids, position_ids=None)
+        """What megatron's MTP layer calls to embed the shifted tokens: [s(/tp), b, h] like the decoder input."""
+        return self._scatter_sp(self.embedding(input_ids=input_ids, position_ids=None))
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
@@ -168,13 +244,15 @@ class Glm5Model(MegatronModule):
         """input_ids [b, s] (b = 1 with packed_seq_params for a packed row).
 
         Returns logits [b, s, vocab] (vocab-parallel unless parallel_output=False) without labels, the per-token
-        loss [b, s] with labels; on a non-last PP stage the streams [s, b, n*h].
+        loss [b, s] (megatron's vocab-parallel cross entropy) with labels; on a non-last PP stage the streams
+        [s(/tp), b, n*h] for the next stage. ``attention_mask`` and ``position_ids`` are ignored (causality and
+        document boundaries come from the mixers and ``packed_seq_params``; the LM is NoPE).
         """
         if self.pre_process:
-            hidden = expand_streams(self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params),
-                                    self.hc_mult)
+            emb = self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params)
+            hidden = expand_streams(self._scatter_sp(emb), self.hc_mult)
         else:
-            hidden = self.decoder.input_tensor
+            hidden = None  # the decoder reads the previous stage's streams
         hidden = self.decoder(hidden, packed_seq_params=packed_seq_params)
         if not self.post_process:
             return hidden
@@ -189,16 +267,14 @@ class Glm5Model(MegatronModule):
         return self._token_loss(logits, labels)
 
     def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """logits [s, b, vocab(/tp)], labels [b, s] -> per-token loss [b, s] (megatron's vocab-parallel CE)."""
-        logits = logits.float()
+        """logits [s, b, vocab(/tp)], labels [b, s] -> per-token loss [b, s] (``compute_language_model_loss``)."""
         if not self.parallel_output:
-            # megatron's CE works in place; a gathered output can be a view that autograd must not see modified
+            # megatron's CE subtracts the max in place; a gathered output can be a view autograd must not see change
             logits = logits.clone()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
-        return loss.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
 
     def _add_mtp_loss(self, hidden, input_ids, labels, loss_mask, packed_seq_params):
-        """Run the MTP block on the final-normed ``hidden`` [s, b, h] (megatron-core's GPTModel contract: its
+        """Run the MTP block on the final-normed ``hidden`` [s(/tp), b, h] (megatron-core's GPTModel contract: its
         decoder output is normed) and attach the scaled MTP loss to the backward of ``hidden``. The MTP layer's own
         ``final_layernorm`` (HF ``shared_head.norm``) precedes the shared output layer."""
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
@@ -226,6 +302,38 @@ class Glm5Model(MegatronModule):
                     avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_objective)
         return hidden
+
+    # ------------------------------------------------------------------ MoE bookkeeping
+    def moe_routers(self) -> Dict[str, torch.nn.Module]:
+        """``{global layer name: TopKRouter}`` of this stage's MoE layers (decoder and MTP).
+
+        Each router's ``local_tokens_per_expert`` ``[num_moe_experts]`` (float) counts the tokens this rank routed
+        to every expert since the last reset; megatron's ``finalize_model_grads`` all-reduces it over
+        TP x CP x DP (``parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)``),
+        updates ``expert_bias`` by ``moe_router_bias_update_rate`` and zeroes the counts."""
+        out = {}
+        for layer in self.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                out[f"decoder.layers.{layer.layer_number - 1}.mlp.router"] = router
+        if self.mtp_process:
+            for i, mtp_layer in enumerate(self.mtp.layers):
+                router = getattr(mtp_layer.transformer_layer.mlp, "router", None)
+                if router is not None:
+                    out[f"mtp.layers.{i}.transformer_layer.mlp.router"] = router
+        return out
+
+    # ------------------------------------------------------------------ checkpointing
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """megatron's ``LanguageModule`` sharded state dict; the last stage's copy of the word embedding (MTP at
+        PP > 1) is tied to the first stage's (a replica, as in megatron's GPTModel)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.mtp_process and not self.pre_process:
+            key = f"{prefix}embedding.word_embeddings.weight"
+            tie_word_embeddings_state_dict(sharded, self.embedding.word_embeddings.weight, key,
+                                           tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        return sharded
 
     # ------------------------------------------------------------------ dtype
     def _apply(self, fn, recurse=True):

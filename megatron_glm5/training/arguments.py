@@ -179,8 +179,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _require(args.lr_warmup_iters >= 0, "--lr-warmup-iters", "must be >= 0")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    _require(args.lr_warmup_iters <= args.lr_decay_iters, "--lr-warmup-iters",
-             f"{args.lr_warmup_iters} exceeds the decay iterations ({args.lr_decay_iters})")
+    _require(args.lr_warmup_iters < args.lr_decay_iters, "--lr-warmup-iters",
+             f"{args.lr_warmup_iters} must be below the decay iterations ({args.lr_decay_iters}; --lr-decay-iters "
+             f"defaults to --train-iters)")
     if args.lr_decay_style == "WSD":
         _require(args.lr_wsd_decay_iters is not None, "--lr-wsd-decay-iters", "required with --lr-decay-style WSD")
     _require(0.0 <= args.adam_beta1 < 1.0, "--adam-beta1", "must lie in [0, 1)")
@@ -207,6 +208,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                                                            or args.decoder_last_pipeline_num_layers is not None)),
              "--pipeline-model-parallel-layout", "give either a layout or --decoder-first/last-pipeline-num-layers")
 
+    # megatron-core 0.16.1's non-distributed bf16 optimizer pairs fp32 master weights with the wrong parameters in
+    # its checkpoints when the model has fp32 parameters (the fp32 islands); the distributed optimizer is right
+    _require(not args.bf16 or args.use_distributed_optimizer, "--bf16",
+             "needs --use-distributed-optimizer (fp32 master weights of a model with fp32 islands)")
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp

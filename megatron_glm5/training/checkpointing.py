@@ -37,6 +37,7 @@ from megatron_glm5.training.model_setup import unwrap_model
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "hf_config.json"
 ARGS_FILE = "run_args.json"
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -137,8 +138,9 @@ def _full_state(model, optimizer, scheduler, iteration, consumed, args, with_opt
     state = _model_sharded_state_dict(model)
     if with_optimizer and optimizer is not None:
         model_sd = dict(state)
+        # fully_reshardable: the distributed optimizer's state is saved in model space, so it loads at any layout
         state["optimizer"] = optimizer.sharded_state_dict(model_sd if len(model_sd) > 1 else model_sd["model"],
-                                                          is_loading=is_loading)
+                                                          is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     state["rng_state"] = _rng_sharded_object()

@@ -10,6 +10,7 @@ checkpoint left as it was.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -32,6 +33,7 @@ from megatron.core.timers import Timers
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megatron_glm5.cli import one_line
 from megatron_glm5.training import global_vars
 from megatron_glm5.training.arguments import fail, hf_config_dict, model_config_from_args, parse_args
 from megatron_glm5.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
@@ -313,12 +315,14 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
 
     prog = prog or os.path.basename(sys.argv[0])
     args = parse_args(argv, prog=prog)
+    # megatron-core's dataset builders log a warning for every index they do not cache (mock data): not news
+    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     global_vars.set_args(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         config = model_config_from_args(args, device)
     except (Glm5ConfigError, ValueError, TypeError, AssertionError) as e:
-        fail(f"model config: {e}", prog)
+        fail(f"model config: {one_line(e)}", prog)
     global_vars.set_config(config)
     try:
         initialize_megatron(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
@@ -326,7 +330,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                             vpp=config.virtual_pipeline_model_parallel_size, etp=args.expert_tensor_parallel_size,
                             seed=args.seed)
     except (ValueError, RuntimeError, AssertionError) as e:
-        fail(f"parallel layout: {e}", prog)
+        fail(f"parallel layout: {one_line(e)}", prog)
     try:
         timers = Timers(log_level=0, log_option="minmax")
         init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
@@ -336,7 +340,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             model, optimizer, scheduler = setup_model_and_optimizer(
                 lambda **kw: model_provider(config, **kw), config, args, timers)
         except (ValueError, AssertionError, NotImplementedError) as e:
-            fail(f"model: {e}", prog)
+            fail(f"model: {one_line(e)}", prog)
         config.finalize_model_grads_func = finalize_grads_and_record_expert_loads
         try:
             iteration, consumed = load_checkpoint(model, optimizer, scheduler, args, hf_config, log=print_rank_0)

@@ -13,7 +13,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.enums import ModelType
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
+from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
@@ -68,7 +69,12 @@ def get_optimizer(model: List[torch.nn.Module], config, args, timers=None):
         clip_grad=args.clip_grad,
         bf16=config.bf16, params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=True, timers=timers)
-    return get_megatron_optimizer(opt_config, model)
+    # the fp32 islands get param groups of their own: megatron-core 0.16.1's mixed-precision optimizers pair fp32
+    # master weights with model parameters by position inside a group, which a group mixing bf16 and fp32
+    # parameters breaks (in its checkpoints)
+    overrides = get_standard_config_overrides(opt_config)
+    overrides[ParamKey(attr="keep_fp32")] = {"fp32_island": True}
+    return get_megatron_optimizer(opt_config, model, config_overrides=overrides)
 
 
 def get_scheduler(optimizer, args) -> OptimizerParamScheduler:
