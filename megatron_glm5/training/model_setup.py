@@ -69,9 +69,11 @@ def get_optimizer(model: List[torch.nn.Module], config, args, timers=None):
         clip_grad=args.clip_grad,
         bf16=config.bf16, params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=True, timers=timers)
-    # the fp32 islands get param groups of their own: megatron-core 0.16.1's mixed-precision optimizers pair fp32
+    # under bf16 the fp32 islands get param groups of their own: megatron-core 0.16.1's mixed-precision optimizers pair fp32
     # master weights with model parameters by position inside a group, which a group mixing bf16 and fp32
     # parameters breaks (in its checkpoints)
+    if not config.bf16:
+        return get_megatron_optimizer(opt_config, model)
     overrides = get_standard_config_overrides(opt_config)
     overrides[ParamKey(attr="keep_fp32")] = {"fp32_island": True}
     return get_megatron_optimizer(opt_config, model, config_overrides=overrides)
