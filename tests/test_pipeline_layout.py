@@ -134,7 +134,7 @@ def tiny_ckpt_5(tmp_path_factory):
 def test_convert_cli_pp2_on_5_plus_1_layers(tiny_ckpt_5, tmp_path, flags, layout, mcore):
     import json
 
-    import convert_hf_to_mcore
+    from megatron_glm5.cli import convert_hf_to_mcore
 
     out = tmp_path / "out"
     assert convert_hf_to_mcore.main(["--hf-dir", tiny_ckpt_5, "--out", str(out), "--no-progress", *flags]) == 0
@@ -143,7 +143,7 @@ def test_convert_cli_pp2_on_5_plus_1_layers(tiny_ckpt_5, tmp_path, flags, layout
 
 
 def test_convert_cli_refuses_a_bad_layout_in_one_line(tiny_ckpt_5, tmp_path, capsys, mcore):
-    import convert_hf_to_mcore
+    from megatron_glm5.cli import convert_hf_to_mcore
 
     out = tmp_path / "out"
     for flags, needle in ((["--pipeline-model-parallel-layout", "Etttm|ttL"], "the MTP layer ('m') must sit on the last"),
