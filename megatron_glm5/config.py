@@ -198,6 +198,12 @@ class Glm5Config(MLATransformerConfig):
     video_start_token_id: int = 154832
     video_end_token_id: int = 154833
 
+    # ---- pipeline ----
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Megatron-LM's --num-layers-per-virtual-pipeline-stage: decoder layers per model chunk; sets
+    ``virtual_pipeline_model_parallel_size = num_layers / pipeline_model_parallel_size / this`` (even stages only;
+    with uneven stages give a ``pipeline_model_parallel_layout`` instead)."""
+
     # ---- bookkeeping ----
     hf_text_config: dict = field(default_factory=dict)
     """The raw HF text config this was built from (written back on export)."""

@@ -45,6 +45,13 @@ def test_stage_ranges(kw, want):
     assert cfg.variable_seq_lengths  # the [s, b, n*h] streams are not megatron's default p2p shape
 
 
+def test_layers_per_virtual_stage():
+    cfg = _cfg(4, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
+    assert cfg.virtual_pipeline_model_parallel_size == 2
+    assert _ranges(cfg) == {(0, 0): (0, 1), (1, 0): (1, 2), (0, 1): (2, 3), (1, 1): (3, 4)}
+    assert cfg.batch_p2p_comm is False  # two stages + virtual stages: activation and gradient to the same peer
+
+
 def test_even_vpp_and_mtp_stage():
     from megatron_glm5.models.parallel_layout import mtp_on_stage
 
@@ -70,6 +77,8 @@ def test_even_vpp_and_mtp_stage():
     (dict(indexer_types=["full", "full", "full", "shared", "full"], pipeline_model_parallel_size=2,
           num_layers_in_first_pipeline_stage=2), "shared-indexer DSA layer 3 would sit on pipeline stage 1"),
     (dict(sequence_parallel=True), "sequence_parallel: needs tensor_model_parallel_size > 1"),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2),
+     "num_layers_per_virtual_pipeline_stage: 2 layers per virtual stage do not divide 5 decoder layers"),
 ])
 def test_refusals_are_one_line(kw, needle):
     from megatron_glm5.config import Glm5ConfigError

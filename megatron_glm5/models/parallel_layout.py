@@ -208,6 +208,22 @@ def prepare_parallel_layout(config) -> None:
     the schedules exchange shapes first: ``variable_seq_lengths``); with two stages and virtual stages, unbatched
     p2p; then :func:`check_parallel_layout`."""
     pp = config.pipeline_model_parallel_size
+    per_chunk = getattr(config, "num_layers_per_virtual_pipeline_stage", None)
+    if per_chunk is not None:
+        field = "num_layers_per_virtual_pipeline_stage"
+        if pp == 1:
+            raise _err(field, "needs pipeline_model_parallel_size > 1")
+        if (config.pipeline_model_parallel_layout is not None or config.num_layers_in_first_pipeline_stage is not None
+                or config.num_layers_in_last_pipeline_stage is not None):
+            raise _err(field, "only with even stages; give the virtual stages in pipeline_model_parallel_layout")
+        if per_chunk < 1 or config.num_layers % (pp * per_chunk):
+            raise _err(field, f"{per_chunk} layers per virtual stage do not divide {config.num_layers} decoder layers "
+                              f"over {pp} pipeline stages")
+        vpp = config.num_layers // (pp * per_chunk)
+        if config.virtual_pipeline_model_parallel_size not in (None, vpp):
+            raise _err(field, f"gives {vpp} virtual stages, virtual_pipeline_model_parallel_size is "
+                              f"{config.virtual_pipeline_model_parallel_size}")
+        config.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     if pp > 1:
         config.variable_seq_lengths = True
     if pp == 2 and (config.virtual_pipeline_model_parallel_size or 1) > 1:
