@@ -11,6 +11,8 @@ setup(
         "megatron-core==0.16.1",
         "transformers==5.23.0",
         "safetensors",
+        "tokenizers",
+        "pillow",
         "sentencepiece",
         "tensorboard",
         "einops",
