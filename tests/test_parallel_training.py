@@ -124,10 +124,10 @@ def _reference(workdir, data, variant: str, flags):
 # layouts not yet seen matching one rank through pretrain_glm5_vlm.py: still run (a pass shows as XPASS), listed in
 # the open parallelism issue
 TRAINING_XFAILS = {
-    "pp2_vpp2": "interleaved VPP through the training loop does not match one rank yet",
-    "cp4": "failed once in a run shared with five other sessions; not yet seen passing through the training entry",
-    "dp2": "failed once in a run shared with five other sessions; not yet seen passing through the training entry",
-    "tp2_pp2_ep2_dp2": "8 ranks: failed once in a run shared with five other sessions",
+    "pp2_vpp2": "failed before Glm5Config took num_layers_per_virtual_pipeline_stage; not yet re-run",
+    "cp4": "final weights differ by 6e-4 (CP padding tokens count in the expert-bias loads, suspected)",
+    "dp2": "megatron-core's distributed optimizer supports Adam only; this test trains with SGD",
+    "tp2_pp2_ep2_dp2": "megatron-core's distributed optimizer supports Adam only; this test trains with SGD",
 }
 
 
@@ -146,10 +146,10 @@ def test_parallel(name, workdir, data, mcore):
     assert worst <= RTOL, worst
 
 
-@pytest.mark.xfail(reason="the resumed EP2 x DP2 step is not yet seen matching the one-rank run", strict=False)
+@pytest.mark.xfail(reason="not yet seen passing (resuming an SGD run needed --no-load-optim)", strict=False)
 def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_dp2(workdir, data, mcore):
-    """2 steps at TP2 x PP2, then the third step at EP2 x DP2 from that checkpoint (model, optimizer and scheduler
-    resharded): the third step's loss equals the one-rank run's."""
+    """2 steps at TP2 x PP2, then the third step at EP2 x DP2 from that checkpoint (model and scheduler resharded):
+    the third step's loss equals the one-rank run's."""
     hf, init = _initial_checkpoint(workdir, "moe4")
     ref_losses, _ = _reference(workdir, data, "moe4", [])
     common = ["--hf-config", str(hf), "--dataset-type", "vqa", "--data-path", str(data / "vqa" / "vqa.jsonl"),
@@ -162,7 +162,8 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_dp2(workdir, data, mcore):
                           "--tensor-model-parallel-size", "2", "--sequence-parallel",
                           "--pipeline-model-parallel-size", "2"], nproc=4, timeout=1500)
     assert first.returncode == 0, first.stderr[-4000:]
-    second = run(common + ["--load", str(ck), "--save", str(ck), "--expert-model-parallel-size", "2",
+    # plain SGD has no optimizer state (and megatron-core cannot lay one out to load): weights, scheduler, data
+    second = run(common + ["--load", str(ck), "--save", str(ck), "--expert-model-parallel-size", "2", "--no-load-optim",
                            "--tensorboard-dir", str(workdir / "reshard" / "tb")], nproc=4, timeout=1500)
     assert second.returncode == 0, second.stderr[-4000:]
     losses = dict(scalars(workdir / "reshard" / "tb")["lm loss"])
