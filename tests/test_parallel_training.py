@@ -124,7 +124,6 @@ def _reference(workdir, data, variant: str, flags):
 # layouts not yet seen matching one rank through pretrain_glm5_vlm.py: still run (a pass shows as XPASS), listed in
 # the open parallelism issue
 TRAINING_XFAILS = {
-    "pp2_vpp2": "failed before Glm5Config took num_layers_per_virtual_pipeline_stage; not yet re-run",
     "cp4": "final weights differ by 6e-4 (CP padding tokens count in the expert-bias loads, suspected)",
     "dp2": "megatron-core's distributed optimizer supports Adam only; this test trains with SGD",
     "tp2_pp2_ep2_dp2": "megatron-core's distributed optimizer supports Adam only; this test trains with SGD",
