@@ -95,17 +95,11 @@ LAYOUTS = {
     "ep2": ("moe", Layout(world=2, ep=2)),
     "ep4": ("moe", Layout(world=4, ep=4)),
     "ep2_etp2": ("moe", Layout(world=4, ep=2, etp=2)),
-    "tp2_pp2_ep2": ("moe", Layout(world=8, tp=2, sp=True, pp=2, ep=2)),
+    "tp2_pp2_ep2": ("moe", Layout(world=8, tp=2, sp=True, pp=2, ep=2, first_stage_layers=3)),
 }
 
 
-# the 5-layer model at PP 2 now needs an explicit pipeline layout (no automatic uneven split): refused at build
-NEEDS_LAYOUT = {"tp2_pp2_ep2"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    reason="5 layers at PP 2 without a layout are refused since the layout change", strict=False))
-    if n in NEEDS_LAYOUT else n for n in LAYOUTS])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_rank(name, references, tmp_path, mcore):
     kind, layout = LAYOUTS[name]
     hf, w0, ref_grads, ref_losses, keys = references(kind)
