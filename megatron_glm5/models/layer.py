@@ -102,17 +102,23 @@ class Glm5TransformerLayer(MegatronModule):
             return tensor_parallel.checkpoint(run, False, x, shared_topk_indices)
         return run(x, shared_topk_indices)
 
-    def _mlp(self, x):
+    def _mlp(self, x, padding_mask=None):
+        if hasattr(self.mlp, "router"):  # megatron's MoELayer: padding tokens leave the loads and aux losses
+            return self.mlp(x, padding_mask=padding_mask)[0]
         if self._recompute(self.recompute_mlp):
             return tensor_parallel.checkpoint(lambda x_: self.mlp(x_)[0], False, x)
         return self.mlp(x)[0]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
-                shared_topk_indices: Optional[torch.Tensor] = None, **kwargs):
+                shared_topk_indices: Optional[torch.Tensor] = None, padding_mask: Optional[torch.Tensor] = None,
+                **kwargs):
         """hidden_states: [s, b, n*h] streams. Returns (streams [s, b, n*h], topk_indices or None).
 
         ``topk_indices`` [b, s, width] is what this layer's indexer selected (DSA layers); a later DSA layer whose
-        ``indexer_types`` entry is 'shared' takes it as ``shared_topk_indices``.
+        ``indexer_types`` entry is 'shared' takes it as ``shared_topk_indices``. ``padding_mask`` [b, s] bool
+        (True = padding, this rank's tokens like ``hidden_states``) goes to the MoE router (megatron's
+        ``MoELayer``): padding tokens are still computed but not counted in the expert loads (the expert-bias
+        update) nor the aux losses.
         """
         s, b, nh = hidden_states.shape
         n = self.hc_mult
@@ -125,7 +131,7 @@ class Glm5TransformerLayer(MegatronModule):
 
         post, comb, x = self.ffn_hc(streams)
         x = self._norm(self.pre_mlp_layernorm, x)
-        y = self._mlp(x)
+        y = self._mlp(x, padding_mask)
         streams = apply_hyper_connection_output(y, streams, post, comb)
         return streams.reshape(s, b, nh), topk
 
@@ -136,12 +142,16 @@ class Glm5MTPTransformerLayer(Glm5TransformerLayer):
     megatron's MTP layer hands a single ``[s, b, h]`` stream to its transformer layer and expects
     ``(hidden_states, context)`` back. The MTP layer of GLM-5.3 carries mHC parameters like every decoder layer, so
     the input is expanded to ``hc_mult`` identical streams, the layer runs, and the streams are averaged (the same
-    contract as the main decoder's embedding expansion and final head).
+    contract as the main decoder's embedding expansion and final head). megatron's MTP layer has no padding-mask
+    argument: ``Glm5Model`` sets :attr:`padding_mask` for the duration of its MTP call.
     """
+
+    padding_mask: Optional[torch.Tensor] = None
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
         n = self.hc_mult
         s, b, h = hidden_states.shape
         streams = hidden_states.unsqueeze(2).expand(s, b, n, h).reshape(s, b, n * h)
-        streams, _ = super().forward(streams, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
+        streams, _ = super().forward(streams, attention_mask=attention_mask, packed_seq_params=packed_seq_params,
+                                     padding_mask=self.padding_mask)
         return streams.view(s, b, n, h).mean(dim=2), None

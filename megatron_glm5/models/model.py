@@ -89,24 +89,26 @@ class Glm5Decoder(MegatronModule):
             out.update(layer_sd)
         return out
 
-    def _run(self, start: int, end: int, hidden_states, shared_topk, packed_seq_params):
+    def _run(self, start: int, end: int, hidden_states, shared_topk, packed_seq_params, padding_mask=None):
         """Layers ``start..end-1`` (local indices); returns (streams, top-k of the last full or shared DSA layer)."""
         for layer in self.layers[start:end]:
             hidden_states, topk = layer(hidden_states, packed_seq_params=packed_seq_params,
-                                        shared_topk_indices=shared_topk)
+                                        shared_topk_indices=shared_topk, padding_mask=padding_mask)
             if topk is not None:
                 shared_topk = topk
         return hidden_states, shared_topk
 
-    def _checkpointed(self, start: int, end: int, hidden_states, shared_topk, packed_seq_params):
+    def _checkpointed(self, start: int, end: int, hidden_states, shared_topk, packed_seq_params, padding_mask=None):
         def run(h, t):
-            return self._run(start, end, h, t, packed_seq_params)
+            return self._run(start, end, h, t, packed_seq_params, padding_mask)
 
         return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations, hidden_states, shared_topk)
 
-    def forward(self, hidden_states: Optional[torch.Tensor], packed_seq_params=None) -> torch.Tensor:
+    def forward(self, hidden_states: Optional[torch.Tensor], packed_seq_params=None,
+                padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden_states`` ``[s(/tp), b, n*h]`` (None on a non-first pipeline stage: the tensor given to
-        :meth:`set_input_tensor`) -> streams of the same shape."""
+        :meth:`set_input_tensor`) -> streams of the same shape. ``padding_mask`` ``[b, s(/tp)]`` bool (True =
+        padding) reaches the MoE routers."""
         if hidden_states is None:
             hidden_states = self.input_tensor
         n = len(self.layers)
@@ -119,14 +121,16 @@ class Glm5Decoder(MegatronModule):
             i = 0
             while i < n:
                 j = min(n, i + cfg.recompute_num_layers)
-                hidden_states, shared = self._checkpointed(i, j, hidden_states, shared, packed_seq_params)
+                hidden_states, shared = self._checkpointed(i, j, hidden_states, shared, packed_seq_params,
+                                                           padding_mask)
                 i = j
             return hidden_states
         for i in range(n):
             if full and cfg.recompute_method == "block" and i < cfg.recompute_num_layers:
-                hidden_states, shared = self._checkpointed(i, i + 1, hidden_states, shared, packed_seq_params)
+                hidden_states, shared = self._checkpointed(i, i + 1, hidden_states, shared, packed_seq_params,
+                                                           padding_mask)
             else:
-                hidden_states, shared = self._run(i, i + 1, hidden_states, shared, packed_seq_params)
+                hidden_states, shared = self._run(i, i + 1, hidden_states, shared, packed_seq_params, padding_mask)
         return hidden_states
 
 
@@ -226,6 +230,12 @@ class Glm5Model(LanguageModule):
             return tensor_parallel.scatter_to_sequence_parallel_region(x, group=self.tp_group)
         return x
 
+    def _scatter_sp_mask(self, mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """[b, s] -> this TP rank's [b, s/tp] under sequence parallelism (bool; None stays None)."""
+        if mask is None or not self.config.sequence_parallel:
+            return None if mask is None else mask.bool()
+        return self._scatter_sp(mask.transpose(0, 1).contiguous()).transpose(0, 1).bool()
+
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] normalised hidden -> [s, b, vocab(/tp)] logits (the output layer, shared with MTP; under
         sequence parallelism it all-gathers the sequence first)."""
@@ -240,26 +250,38 @@ class Glm5Model(LanguageModule):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask=None, labels: Optional[torch.Tensor] = None, loss_mask=None,
-                packed_seq_params=None, pixel_values=None, image_grid_thw=None):
+                packed_seq_params=None, pixel_values=None, image_grid_thw=None,
+                padding_mask: Optional[torch.Tensor] = None):
         """input_ids [b, s] (b = 1 with packed_seq_params for a packed row).
 
         Returns logits [b, s, vocab] (vocab-parallel unless parallel_output=False) without labels, the per-token
         loss [b, s] (megatron's vocab-parallel cross entropy) with labels; on a non-last PP stage the streams
         [s(/tp), b, n*h] for the next stage. ``attention_mask`` and ``position_ids`` are ignored (causality and
-        document boundaries come from the mixers and ``packed_seq_params``; the LM is NoPE).
+        document boundaries come from the mixers and ``packed_seq_params``; the LM is NoPE). ``padding_mask``
+        [b, s] bool (True = padding, e.g. the tokens a CP split appends; megatron GPTModel's argument): the MoE
+        routers (decoder and MTP) leave those tokens out of the expert loads and aux losses, so padding changes
+        neither the expert-bias update nor the aux loss. Give it on every pipeline stage.
         """
         if self.pre_process:
             emb = self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params)
             hidden = expand_streams(self._scatter_sp(emb), self.hc_mult)
         else:
             hidden = None  # the decoder reads the previous stage's streams
-        hidden = self.decoder(hidden, packed_seq_params=packed_seq_params)
+        moe_padding = self._scatter_sp_mask(padding_mask)
+        hidden = self.decoder(hidden, packed_seq_params=packed_seq_params, padding_mask=moe_padding)
         if not self.post_process:
             return hidden
         hidden = self.final_layernorm(contract_streams(hidden, self.hc_mult))
 
         if self.mtp_process and labels is not None:
-            hidden = self._add_mtp_loss(hidden, input_ids, labels, loss_mask, packed_seq_params)
+            mtp_layers = [layer.transformer_layer for layer in self.mtp.layers]
+            for layer in mtp_layers:
+                layer.padding_mask = moe_padding
+            try:
+                hidden = self._add_mtp_loss(hidden, input_ids, labels, loss_mask, packed_seq_params)
+            finally:
+                for layer in mtp_layers:
+                    layer.padding_mask = None
 
         logits = self.output_logits(hidden)
         if labels is None:
