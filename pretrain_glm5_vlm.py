@@ -56,8 +56,11 @@ def get_batch(data_iterator, config) -> dict:
                      for k, v in batch.items()}
             batch["cu_seqlens"] = torch.arange(0, b * s + 1, s, dtype=torch.int32)
         tp_multiple = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+        row_length = batch["tokens"].shape[1]
         batch, psp = split_batch_for_cp(batch, cp, parallel_state.get_context_parallel_rank(), config,
                                         chunk_multiple=tp_multiple, pad_token_id=config.pad_token_id)
+        # the split's padding (after the row) stays out of the MoE expert loads and aux losses
+        batch["padding_mask"] = (psp.chunk_offset + torch.arange(batch["tokens"].shape[1]) >= row_length)[None]
     else:
         psp = make_packed_seq_params(batch["cu_seqlens"]) if "cu_seqlens" in batch else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,7 +103,7 @@ def forward_step(data_iterator, model):
     batch = get_batch(data_iterator, global_vars.get_config())
     output = model(batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
                    packed_seq_params=batch["packed_seq_params"], pixel_values=batch.get("pixel_values"),
-                   image_grid_thw=batch.get("image_grid_thw"))
+                   image_grid_thw=batch.get("image_grid_thw"), padding_mask=batch.get("padding_mask"))
     return output, partial(loss_func, batch["loss_mask"])
 
 
