@@ -6,11 +6,25 @@
   padding mask, which broadcasts along the expert dim (an error, or a wrong count when tokens == experts): the
   padding tokens must leave the expert loads of the aux-loss-free bias update. The replacement masks per token;
   without a padding mask it counts exactly as upstream.
+* ``DistributedOptimizer.state_dict`` without Apex / Transformer Engine reads the step count from the torch
+  optimizer's per-parameter state and asserts there is exactly one value; a fresh optimizer has none yet, so
+  building the state dict to *load* a checkpoint into (``sharded_state_dict(is_loading=True)``) fails. A fresh
+  optimizer has taken 0 steps: report that (the loaded checkpoint's step then replaces it).
+* ``DistributedOptimizer._set_main_param_and_optimizer_states`` (loading the fully reshardable format) copies
+  every entry of the torch optimizer's per-parameter state from the checkpoint, ``step`` included, which torch Adam
+  keeps there but the format stores per param group (and which ``load_state_dict`` has already set): a KeyError.
+  The replacement copies the param and the moments and leaves ``step`` alone.
+* ``DistributedOptimizer.sharded_param_state_fully_reshardable`` (saving that format) reads each parameter's state
+  at its index in the gradient buffer, padding between buckets included, out of ``get_parameter_state_dp_zero``'s
+  tensors, which leave that padding out. With more than one bucket (the shared embedding gets a bucket of its own
+  under pipeline parallelism) every later parameter's saved state is shifted and its end filled with zeros
+  (upstream warns "param range exceeds unpadded buffer"). The fix hands it the tensors laid out like the buffer.
 
 Applied once, on import of :mod:`megatron_glm5.models`.
 """
 
 import torch
+from megatron.core.optimizer import distrib_optimizer
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 
@@ -26,10 +40,79 @@ def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None):
             self.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
+_upstream_distrib_state_dict = distrib_optimizer.DistributedOptimizer.state_dict
+
+
+def _distrib_state_dict(self):
+    """Upstream's state dict; a fresh torch optimizer (no per-parameter state) reports step 0."""
+    if distrib_optimizer.HAVE_APEX_OR_TE or len(self.optimizer.state) > 0:
+        return _upstream_distrib_state_dict(self)
+    inner = self.optimizer.state_dict()
+    state_dict = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+    for param_group in state_dict["optimizer"]["param_groups"]:
+        del param_group["params"]
+        param_group["step"] = 0
+    if self.grad_scaler:
+        state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+    return state_dict
+
+
+_upstream_set_main_param_and_optimizer_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+
+def _set_main_param_and_optimizer_states(self, model_param, tensors):
+    """Upstream's copy of ``tensors`` ({'param', 'exp_avg', 'exp_avg_sq'}) into the main param and its state,
+    without the torch optimizer's own ``step`` entry."""
+    if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        return _upstream_set_main_param_and_optimizer_states(self, model_param, tensors)
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    destinations = {"param": main_param, **{k: v for k, v in self.optimizer.state[main_param].items() if k != "step"}}
+    for key, dst in destinations.items():
+        dst.copy_(tensors[key])
+
+
+_upstream_fully_reshardable = distrib_optimizer.DistributedOptimizer.sharded_param_state_fully_reshardable
+
+
+def _buffer_layout_state(self, state):
+    """``get_parameter_state_dp_zero``'s per-buffer tensors (bucket after bucket, padding left out) laid out as the
+    gradient buffer is, each bucket at its offset (``buffer.bucket_indices``), padding zero."""
+    if state is None:
+        return None
+    for gbuf_idx, dtype_state in state.items():
+        if not isinstance(gbuf_idx, int):
+            continue
+        buffer = self.buffers[gbuf_idx]
+        for world in dtype_state.values():
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                if key not in world:
+                    continue
+                packed, laid_out, offset = world[key], world[key].new_zeros(buffer.numel), 0
+                for bucket, (start, _) in zip(buffer.buckets, buffer.bucket_indices):
+                    laid_out[start:start + bucket.numel_unpadded] = packed[offset:offset + bucket.numel_unpadded]
+                    offset += bucket.numel_unpadded
+                world[key] = laid_out
+    return state
+
+
+def _fully_reshardable(self, model_sharded_state_dict, is_loading=False, metadata=None):
+    """Upstream's fully reshardable state, reading each parameter's state at its buffer index."""
+    packed = self.get_parameter_state_dp_zero
+    self.get_parameter_state_dp_zero = lambda **kwargs: _buffer_layout_state(self, packed(**kwargs))
+    try:
+        return _upstream_fully_reshardable(self, model_sharded_state_dict, is_loading, metadata)
+    finally:
+        del self.get_parameter_state_dp_zero
+
+
 def apply_mcore_fixes() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     TopKRouter._apply_expert_bias = _apply_expert_bias
+    distrib_optimizer.DistributedOptimizer.state_dict = _distrib_state_dict
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    distrib_optimizer.DistributedOptimizer.sharded_param_state_fully_reshardable = _fully_reshardable
 
 
 apply_mcore_fixes()

@@ -1,7 +1,8 @@
 """Every parallel layout trains like one rank, through pretrain_glm5_vlm.py (torchrun, gloo, CPU, fp32).
 
 All runs start from the same initial weights (a layout-free dist checkpoint written here, loaded with
---pretrained-checkpoint) and train 3 SGD steps on the same packed image+text rows. Per step, 'lm loss' (TensorBoard)
+--pretrained-checkpoint) and train 3 steps on the same packed image+text rows: plain SGD, or Adam for the layouts with
+megatron-core's distributed optimizer (it implements Adam only), against a one-rank run with the same optimizer. Per step, 'lm loss' (TensorBoard)
 must equal the one-rank run's to a relative 1e-5, and so must every weight of the final checkpoint (layout-free
 global tensors), measured against the largest weight of its module (tests/parallel_harness.compare).
 """
@@ -81,7 +82,11 @@ def _initial_checkpoint(workdir, variant: str):
     root.mkdir(exist_ok=True)
     hf = _hf_config(variant)
     (root / "config.json").write_text(json.dumps(hf))
+    # the same weights whatever was built before in this process (megatron's model-parallel RNG included)
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
     model = build_model(Glm5Config.from_hf(hf, use_cpu_initialization=True))
     (root / "ckpt").mkdir(exist_ok=True)  # megatron-core 0.16.1 saves into an existing directory
     dist_checkpointing.save(model.sharded_state_dict(), str(root / "ckpt"))
@@ -89,16 +94,33 @@ def _initial_checkpoint(workdir, variant: str):
     return root, root / "ckpt"
 
 
-def _train(workdir, data, name: str, variant: str, flags, nproc: int):
+# Adam's eps is large next to the gradients' fp32 rounding so that the update stays a smooth function of the gradient
+# (with eps 1e-8 a near-zero gradient's sign, flipped by rounding, would move a weight by a whole learning rate)
+OPTIMIZERS = {
+    "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "0.05"],
+    "adam": ["--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-3", "--lr",
+             "0.01"],
+}
+
+
+def _optimizer(flags) -> str:
+    return "adam" if "--use-distributed-optimizer" in flags else "sgd"
+
+
+def _common(hf, data, optimizer: str):
+    """The flags every run shares: data, batch, schedule, MoE losses, optimizer."""
+    return ["--hf-config", str(hf), "--dataset-type", "vqa", "--data-path", str(data / "vqa" / "vqa.jsonl"),
+            "--tokenizer-model", str(data), "--split", "1,0,0", "--seq-length", "48", "--micro-batch-size", "1",
+            "--global-batch-size", "4", "--train-iters", str(STEPS), "--lr-decay-style", "constant",
+            "--clip-grad", "0", "--weight-decay", "0", "--moe-aux-loss-coeff", "1e-2",
+            "--moe-router-bias-update-rate", "1e-2"] + OPTIMIZERS[optimizer]
+
+
+def _train(workdir, data, name: str, variant: str, flags, nproc: int, optimizer: str = "sgd"):
     hf, init = _initial_checkpoint(workdir, variant)
     out = workdir / name
-    args = ["--hf-config", str(hf), "--pretrained-checkpoint", str(init),
-            "--dataset-type", "vqa", "--data-path", str(data / "vqa" / "vqa.jsonl"), "--tokenizer-model", str(data),
-            "--split", "1,0,0", "--seq-length", "48", "--micro-batch-size", "1", "--global-batch-size", "4",
-            "--train-iters", str(STEPS), "--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "0.05",
-            "--lr-decay-style", "constant", "--clip-grad", "0", "--weight-decay", "0",
-            "--moe-aux-loss-coeff", "1e-2", "--moe-router-bias-update-rate", "1e-2",
-            "--save", str(out / "ckpt"), "--no-save-optim", "--tensorboard-dir", str(out / "tb")] + list(flags)
+    args = _common(hf, data, optimizer) + ["--pretrained-checkpoint", str(init), "--save", str(out / "ckpt"),
+                                           "--no-save-optim", "--tensorboard-dir", str(out / "tb")] + list(flags)
     proc = run(args, nproc=nproc, timeout=1500)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     losses = dict(scalars(out / "tb")["lm loss"])
@@ -110,33 +132,31 @@ def _train(workdir, data, name: str, variant: str, flags, nproc: int):
 _REFERENCE = {}
 
 
-def _reference(workdir, data, variant: str, flags):
-    """One rank's run of the same model (the layout flags that change the model, --num-layers, are kept)."""
+def _reference(workdir, data, variant: str, flags, optimizer: str = "sgd"):
+    """One rank's run of the same model (the layout flags that change the model, --num-layers, are kept) with the
+    same optimizer (Adam: megatron's plain, not distributed, optimizer)."""
     model_flags = []
     if "--num-layers" in flags:
         i = flags.index("--num-layers")
         model_flags = flags[i:i + 2]
-    key = (variant, tuple(model_flags))
+    key = (variant, tuple(model_flags), optimizer)
     if key not in _REFERENCE:
-        _REFERENCE[key] = _train(workdir, data, f"ref_{variant}", variant, model_flags, 1)
+        _REFERENCE[key] = _train(workdir, data, f"ref_{variant}_{optimizer}", variant, model_flags, 1, optimizer)
     return _REFERENCE[key]
 
 
 # layouts not yet seen matching one rank through pretrain_glm5_vlm.py: still run (a pass shows as XPASS), listed in
 # the open parallelism issue
-TRAINING_XFAILS = {
-    "cp4": "final weights differ by 6e-4 (CP padding tokens count in the expert-bias loads, suspected)",
-    "dp2": "megatron-core's distributed optimizer supports Adam only; this test trains with SGD",
-    "tp2_pp2_ep2_dp2": "megatron-core's distributed optimizer supports Adam only; this test trains with SGD",
-}
+TRAINING_XFAILS = {}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=TRAINING_XFAILS[n], strict=False))
                                   if n in TRAINING_XFAILS else n for n in LAYOUTS])
 def test_parallel(name, workdir, data, mcore):
     nproc, flags, variant = LAYOUTS[name]
-    ref_losses, ref_weights = _reference(workdir, data, variant, flags)
-    losses, weights = _train(workdir, data, name, variant, flags, nproc)
+    optimizer = _optimizer(flags)
+    ref_losses, ref_weights = _reference(workdir, data, variant, flags, optimizer)
+    losses, weights = _train(workdir, data, name, variant, flags, nproc, optimizer)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in losses:
         assert abs(losses[step] - ref_losses[step]) <= RTOL * abs(ref_losses[step]), (step, losses, ref_losses)
@@ -149,29 +169,29 @@ def test_parallel(name, workdir, data, mcore):
     assert max(v[0] for v in per_tensor.values()) <= 1e-3
 
 
-@pytest.mark.xfail(reason="not yet seen passing (resuming an SGD run needed --no-load-optim)", strict=False)
 def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_dp2(workdir, data, mcore):
-    """2 steps at TP2 x PP2, then the third step at EP2 x DP2 from that checkpoint (model and scheduler resharded):
-    the third step's loss equals the one-rank run's."""
+    """Adam with the distributed optimizer: 2 steps at TP2 x PP2, then the third step at EP2 x DP2 from that
+    checkpoint (weights, Adam moments, scheduler and data position resharded). The third step's loss equals the
+    one-rank run's, and so do the weights after it (which need the loaded Adam moments)."""
     hf, init = _initial_checkpoint(workdir, "moe4")
-    ref_losses, _ = _reference(workdir, data, "moe4", [])
-    common = ["--hf-config", str(hf), "--dataset-type", "vqa", "--data-path", str(data / "vqa" / "vqa.jsonl"),
-              "--tokenizer-model", str(data), "--split", "1,0,0", "--seq-length", "48", "--micro-batch-size", "1",
-              "--global-batch-size", "4", "--train-iters", str(STEPS), "--optimizer", "sgd", "--sgd-momentum", "0",
-              "--lr", "0.05", "--lr-decay-style", "constant", "--clip-grad", "0", "--weight-decay", "0",
-              "--moe-aux-loss-coeff", "1e-2", "--moe-router-bias-update-rate", "1e-2"]
+    ref_losses, ref_weights = _reference(workdir, data, "moe4", [], "adam")
+    common = _common(hf, data, "adam") + ["--use-distributed-optimizer"]
     ck = workdir / "reshard" / "ckpt"
     first = run(common + ["--pretrained-checkpoint", str(init), "--save", str(ck), "--exit-interval", "2",
                           "--tensor-model-parallel-size", "2", "--sequence-parallel",
                           "--pipeline-model-parallel-size", "2"], nproc=4, timeout=1500)
     assert first.returncode == 0, first.stderr[-4000:]
-    # plain SGD has no optimizer state (and megatron-core cannot lay one out to load): weights, scheduler, data
-    second = run(common + ["--load", str(ck), "--save", str(ck), "--expert-model-parallel-size", "2", "--no-load-optim",
+    second = run(common + ["--load", str(ck), "--save", str(ck), "--expert-model-parallel-size", "2",
                            "--tensorboard-dir", str(workdir / "reshard" / "tb")], nproc=4, timeout=1500)
     assert second.returncode == 0, second.stderr[-4000:]
+    assert "iteration 2" in second.stdout, second.stdout[-2000:]
     losses = dict(scalars(workdir / "reshard" / "tb")["lm loss"])
     assert sorted(losses) == [3]
     assert abs(losses[3] - ref_losses[3]) <= RTOL * abs(ref_losses[3]), (losses, ref_losses)
+    weights = {k: v for k, v in read_dist_checkpoint(str(ck / f"iter_{STEPS:07d}")).items()
+               if not k.startswith("optimizer.")}
+    worst, key, per_tensor = compare(ref_weights, weights)
+    assert worst <= RTOL, (key, per_tensor[key])
 
 
 @pytest.mark.parametrize("flags, world, needle", [

@@ -10,7 +10,8 @@ The indexer picks, for every query, the key positions its sparse attention may r
 3. Per query ``i`` (``H = index_n_heads`` heads, ``q_i = wq_b q_resid_i`` ``[H, D]``):
    ``score(i, p) = sum_h w_ih * relu(q_ih . poolkey_p * D^-0.5)``, ``w_i = weights_proj(x_i) * H^-0.5``.
 4. A pool is selectable iff its last token is visible to the query (causal and, for packed rows, in the same
-   document). The ``min(index_topk / kpool, n_pools)`` best selectable pools are expanded to their tokens.
+   document). The ``min(index_topk / kpool, n_pools)`` best selectable pools are expanded to their tokens; of
+   pools with equal scores the earlier wins, so the selection does not depend on the layout.
 5. With ``index_kpool_always_select_tail`` the query's own incomplete pool (document-local positions
    ``[visible - visible % kpool, visible)``, i.e. up to and including the query) is appended.
 
@@ -203,7 +204,9 @@ class KPoolIndexer(MegatronModule):
             index_scores = torch.matmul(weights[:, a:e].unsqueeze(-2), scores).squeeze(-2)   # [b, c, p]
             index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
             k = min(max_select, hi - lo)
-            selected = index_scores.topk(k, dim=-1).indices                        # [b, c, k]
+            # equal scores (ReLU zeros are common) go to the earlier pool: a stable sort, unlike topk, picks the
+            # same pools however the queries are chunked or cut over CP ranks (the candidate range differs)
+            selected = index_scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]   # [b, c, k]
             selected_valid = valid.expand(b, -1, -1).gather(-1, selected)          # [b, c, k]
             tokens = pool_tokens[lo + selected]                                    # [b, c, k, kp]
             tokens = tokens.masked_fill(~selected_valid[..., None], -1).flatten(-2)

@@ -26,13 +26,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from megatron_glm5.checkpoint.atomic import OLD_TAG, publish_dir, write_text_atomic
 # a checkpoint this run cannot use (missing, of another architecture, unreadable): the package's one error class
 from megatron_glm5.checkpoint.errors import CheckpointError
 from megatron_glm5.checkpoint.safe_load import check_dist_checkpoint
-from megatron_glm5.training.model_setup import unwrap_model
+from megatron_glm5.training.model_setup import optimizer_parts, unwrap_model
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "hf_config.json"
@@ -131,6 +133,54 @@ def _rng_sharded_object() -> ShardedObject:
     return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
 
 
+def _optimizer_step(part) -> int:
+    """How many steps a megatron optimizer's torch optimizer has taken (per-parameter ``step`` of torch Adam, or the
+    per-group one of fused Adams); 0 before the first."""
+    inner = part.optimizer
+    steps = [int(s["step"]) for s in inner.state.values() if "step" in s]
+    steps += [int(g["step"]) for g in inner.param_groups if "step" in g]
+    return max(steps, default=0)
+
+
+def _set_optimizer_step(part, step: int) -> None:
+    inner = part.optimizer
+    for s in inner.state.values():
+        if "step" in s:
+            s["step"] = torch.tensor(float(step), dtype=s["step"].dtype) if torch.is_tensor(s["step"]) else step
+    for g in inner.param_groups:
+        if "step" in g:
+            g["step"] = step
+
+
+def _optimizer_sharded_state(optimizer, model_sd: dict, is_loading: bool) -> dict:
+    """The optimizer's part of a checkpoint, independent of the layout: its state tensors in model space
+    (``optimizer.state.<exp_avg|exp_avg_sq|param>.<model key>``, megatron's fully reshardable format for the
+    distributed optimizer) and the step count. How megatron splits the parameters over optimizers (dense vs
+    expert-parallel) and param groups depends on the layout, so those structures are rebuilt from the loading run's
+    own optimizer rather than saved (megatron-core's chained format would prefix keys with the optimizer's index)."""
+    tensors, own = {}, {}
+    for i, part in enumerate(optimizer_parts(optimizer)):
+        part_sd = part.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+        tensors[str(i)], own[str(i)] = extract_sharded_base(part_sd)
+    state = {"tensors": tensors, "step": max(_optimizer_step(p) for p in optimizer_parts(optimizer))}
+    if is_loading:  # the loading run's own structures, handed back by dist_checkpointing.load, never saved
+        state["own"] = LocalNonpersistentObject(own)
+    return state
+
+
+def _load_optimizer_state(optimizer, loaded: dict) -> None:
+    """Load ``loaded`` (the optimizer part of :func:`_full_state` after ``dist_checkpointing.load``) into each of the
+    optimizer's parts: its own non-tensor state (param groups, sharding type) with the loaded tensors, then the
+    checkpoint's step count."""
+    step = int(loaded["step"])
+    for i, part in enumerate(optimizer_parts(optimizer)):
+        part_sd = loaded["own"][str(i)]
+        dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, part_sd)
+        merge(part_sd, loaded["tensors"][str(i)])
+        part.load_state_dict(part_sd)
+        _set_optimizer_step(part, step)
+
+
 def _full_state(model, optimizer, scheduler, iteration, consumed, args, with_optimizer: bool,
                 is_loading: bool = False) -> dict:
     """The sharded state dict of a resumable checkpoint (``is_loading`` makes the optimizer lay out its state
@@ -138,9 +188,8 @@ def _full_state(model, optimizer, scheduler, iteration, consumed, args, with_opt
     state = _model_sharded_state_dict(model)
     if with_optimizer and optimizer is not None:
         model_sd = dict(state)
-        # fully_reshardable: the distributed optimizer's state is saved in model space, so it loads at any layout
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd if len(model_sd) > 1 else model_sd["model"],
-                                                          is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+        state["optimizer"] = _optimizer_sharded_state(optimizer, model_sd if len(model_sd) > 1 else model_sd["model"],
+                                                      is_loading)
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     state["rng_state"] = _rng_sharded_object()
@@ -202,6 +251,29 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed: dict,
 
 
 # ---------------------------------------------------------------------------- load
+LAYOUT_ARGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
+
+
+def _layout(args) -> tuple:
+    return tuple(getattr(args, name, None) for name in LAYOUT_ARGS)
+
+
+def _describe(layout: tuple) -> str:
+    return ", ".join(f"{short} {value}" for short, value in zip(("world", "TP", "PP", "EP", "ETP", "CP"), layout))
+
+
+def _saved_layout(ckpt_dir: str) -> Optional[tuple]:
+    """The layout a checkpoint of this package was saved at (from its run arguments), or None if unknown."""
+    path = os.path.join(ckpt_dir, ARGS_FILE)
+    try:
+        with open(path) as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return tuple(saved.get(name) for name in LAYOUT_ARGS) if isinstance(saved, dict) else None
+
+
 def load_checkpoint(model, optimizer, scheduler, args, hf_config: dict, log=print) -> Tuple[int, dict]:
     """Load per the flags; returns (iteration to continue from, consumed samples {'train', 'valid'}).
 
@@ -235,15 +307,22 @@ def load_checkpoint(model, optimizer, scheduler, args, hf_config: dict, log=prin
 
     full = _full_state(model, optimizer, scheduler, 0, consumed, args, with_optimizer=not args.no_load_optim,
                        is_loading=True)
-    if args.no_load_rng:
+    load_rng = not args.no_load_rng
+    saved_layout = _saved_layout(ckpt)
+    if load_rng and saved_layout is not None and saved_layout != _layout(args):
+        # the RNG states are per rank of the saving layout; another layout starts from this run's seeded states
+        log(f"{ckpt} was saved at another layout ({_describe(saved_layout)}; now {_describe(_layout(args))}): "
+            "its weights, optimizer state and data position are resharded, its random states are not loaded")
+        load_rng = False
+    if not load_rng:
         full.pop("rng_state")
     state = dist_checkpointing.load(full, ckpt)
     _load_model_state(model, state)
     if optimizer is not None and not args.no_load_optim:
-        optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer_state(optimizer, state["optimizer"])
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
-    if not args.no_load_rng:
+    if load_rng:
         rng = state["rng_state"]
         if isinstance(rng, ShardedObject):
             rng = rng.data

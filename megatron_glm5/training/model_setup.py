@@ -73,10 +73,32 @@ def get_optimizer(model: List[torch.nn.Module], config, args, timers=None):
     # master weights with model parameters by position inside a group, which a group mixing bf16 and fp32
     # parameters breaks (in its checkpoints)
     if not config.bf16:
-        return get_megatron_optimizer(opt_config, model)
-    overrides = get_standard_config_overrides(opt_config)
-    overrides[ParamKey(attr="keep_fp32")] = {"fp32_island": True}
-    return get_megatron_optimizer(opt_config, model, config_overrides=overrides)
+        optimizer = get_megatron_optimizer(opt_config, model)
+    else:
+        overrides = get_standard_config_overrides(opt_config)
+        overrides[ParamKey(attr="keep_fp32")] = {"fp32_island": True}
+        optimizer = get_megatron_optimizer(opt_config, model, config_overrides=overrides)
+    for part in optimizer_parts(optimizer):
+        if getattr(part, "init_state_fn", None) is None and args.optimizer == "sgd":
+            part.init_state_fn = _sgd_init_state  # megatron-core has none for SGD: its checkpoints could not load
+    return optimizer
+
+
+def optimizer_parts(optimizer) -> list:
+    """The megatron optimizers behind ``optimizer`` (a ``ChainedOptimizer`` holds one for the dense and one for the
+    expert-parallel parameters, depending on the layout)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _sgd_init_state(opt: torch.optim.SGD, config=None) -> None:
+    """Lay out torch SGD's state (a momentum buffer per parameter, when momentum is on) so that a checkpoint can be
+    loaded into it, as megatron-core's ``init_state_fn`` does for Adam."""
+    for group in opt.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            if opt.state[p].get("momentum_buffer") is None:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
 
 
 def get_scheduler(optimizer, args) -> OptimizerParamScheduler:
