@@ -2,9 +2,10 @@
 
 All runs start from the same initial weights (a layout-free dist checkpoint written here, loaded with
 --pretrained-checkpoint) and train 3 steps on the same packed image+text rows: plain SGD, or Adam for the layouts with
-megatron-core's distributed optimizer (it implements Adam only), against a one-rank run with the same optimizer. Per step, 'lm loss' (TensorBoard)
-must equal the one-rank run's to a relative 1e-5, and so must every weight of the final checkpoint (layout-free
-global tensors), measured against the largest weight of its module (tests/parallel_harness.compare).
+megatron-core's distributed optimizer (it implements Adam only), against a one-rank run with the same optimizer.
+Per step, 'lm loss' (TensorBoard) must equal the one-rank run's to a relative 1e-5, and so must every weight of the
+final checkpoint (layout-free global tensors), measured against the largest weight of its module
+(tests/parallel_harness.compare).
 """
 
 from __future__ import annotations
