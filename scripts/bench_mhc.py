@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         }
         for name, (fn, nbytes) in kernels.items():
             t = cuda_time(fn, a.iters)
-            print(f"s={s:6d}   {name:32s} {t:7.3f} ms  {nbytes / t / 1e9:6.0f} GB/s", flush=True)
+            print(f"s={s:6d}   {name:32s} {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s", flush=True)
     return 0
 
 

@@ -10,7 +10,8 @@ Notation (``T`` tokens = the flattened leading dims, ``n = hc_mult`` streams of 
 Input side (:func:`hyper_connection`, one ``autograd.Function``):
 
 * ``mixes = (streams_flat @ fn^T) * rstd`` with ``rstd = rsqrt(mean(streams_flat^2) + norm_eps)`` -- one pass over
-  the streams (``_proj_fwd_kernel``; the products in fp32 through ``tf32x3`` dots, exact for bf16 operands, and the
+  the streams (``_proj_fwd_kernel``; bf16 tensor-core dots when streams and ``fn`` are bf16 -- exact products, fp32 sums --
+  else fp32 through ``tf32x3`` dots; the
   norm applied to the ``[T, M]`` result instead of the ``[T, D]`` input: the same function up to fp32 rounding);
 * ``pre, post, comb`` from ``mixes`` by the caller's ``weights_fn`` (tiny ``[T, M]`` PyTorch ops, the Sinkhorn);
 * ``collapsed = sum_i pre_i * stream_i`` (fp32 accumulation, cast to the streams' dtype; ``_collapse_fwd_kernel``).
@@ -74,9 +75,22 @@ def apply_output_reference(block_out: torch.Tensor, streams: torch.Tensor, post:
 if HAVE_TRITON:
 
     @triton.jit
+    def _dot(a, b, BF16: tl.constexpr):
+        """fp32-accurate ``a @ b`` for fp32 ``a`` and ``b`` holding bf16 values (``BF16``: two bf16 tensor-core
+        dots, ``a`` split into bf16 high and low parts, so the error is ~2^-17 relative), else ``tf32x3``."""
+        if BF16:
+            a_hi = a.to(tl.bfloat16)
+            a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+            b16 = b.to(tl.bfloat16)
+            return tl.dot(a_hi, b16) + tl.dot(a_lo, b16)
+        else:
+            return tl.dot(a, b, input_precision="tf32x3")
+
+    @triton.jit
     def _proj_fwd_kernel(X, W, RAW, SS, T, D, M, D_PER_SPLIT, BT: tl.constexpr, BD: tl.constexpr,
-                         MP: tl.constexpr):
-        """Partial ``raw = X @ W^T`` and ``ss = sum(X^2)`` over one split of D for BT tokens."""
+                         MP: tl.constexpr, BF16: tl.constexpr):
+        """Partial ``raw = X @ W^T`` and ``ss = sum(X^2)`` over one split of D for BT tokens (``BF16``: X and W
+        are bf16, so one bf16 tensor-core dot is exact in its products)."""
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
@@ -91,18 +105,20 @@ if HAVE_TRITON:
             d = d0 + tl.arange(0, BD)
             dmask = d < d_hi
             x = tl.load(X + t[:, None] * D + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
-            x = x.to(tl.float32)
             w = tl.load(W + m[:, None] * D + d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
-            w = w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w), input_precision="tf32x3")
-            ss += tl.sum(x * x, axis=1)
+            if BF16:
+                acc += tl.dot(x, tl.trans(w))
+            else:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32x3")
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
         base = pid_s.to(tl.int64) * T
         tl.store(RAW + (base + t[:, None]) * MP + m[None, :], acc, mask=tmask[:, None])
         tl.store(SS + base + t, ss, mask=tmask)
 
     @triton.jit
     def _proj_bwd_kernel(X, W, DZ, C, PRE, DC, DX, DW, T, D, H, N, M, T_PER_SPLIT, BT: tl.constexpr,
-                         BD: tl.constexpr, MP: tl.constexpr):
+                         BD: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
         """``DX = PRE[t, d // H] * DC[t, d % H] + DZ @ W + C * X`` for one D block over one split of the tokens,
         and the partial ``DW = DZ^T @ X`` of that split."""
         pid_d = tl.program_id(0)
@@ -126,9 +142,9 @@ if HAVE_TRITON:
             c = tl.load(C + t, mask=tmask, other=0.0)
             pre = tl.load(PRE + t[:, None] * N + i[None, :], mask=mask2, other=0.0)
             dc = tl.load(DC + t[:, None] * H + k[None, :], mask=mask2, other=0.0).to(tl.float32)
-            dx = tl.dot(dz, w, input_precision="tf32x3") + c[:, None] * x + pre * dc
+            dx = _dot(dz, w, BF16) + c[:, None] * x + pre * dc
             tl.store(DX + t[:, None] * D + d[None, :], dx.to(DX.dtype.element_ty), mask=mask2)
-            accw += tl.dot(tl.trans(dz), x, input_precision="tf32x3")
+            accw += _dot(tl.trans(dz), x, BF16)
         tl.store(DW + (pid_s.to(tl.int64) * MP + m[:, None]) * D + d[None, :], accw, mask=dmask[None, :])
 
     @triton.jit
@@ -224,7 +240,9 @@ def _proj_fwd(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch
     splits = triton.cdiv(D, per)
     raw = torch.empty(splits, T, MP, device=x.device, dtype=torch.float32)
     ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
-    _proj_fwd_kernel[(n_t, splits)](x, fn, raw, ss, T, D, M, per, BT=_PROJ_BT, BD=_PROJ_BD, MP=MP, num_warps=4)
+    bf16 = x.dtype == fn.dtype == torch.bfloat16
+    _proj_fwd_kernel[(n_t, splits)](x, fn, raw, ss, T, D, M, per, BT=_PROJ_BT, BD=_PROJ_BD, MP=MP, BF16=bf16,
+                                    num_warps=4)
     rstd = torch.rsqrt(ss.sum(0) / D + norm_eps)
     mixes = raw.sum(0)[:, :M] * rstd[:, None]
     return mixes, rstd
@@ -241,8 +259,9 @@ def _proj_bwd(x, fn, dz, c, pre, dc, n, h):
     splits = triton.cdiv(T, per)
     dx = torch.empty_like(x)
     dw = torch.empty(splits, MP, D, device=x.device, dtype=torch.float32)
+    bf16 = x.dtype == fn.dtype == torch.bfloat16
     _proj_bwd_kernel[(n_d, splits)](x, fn, dz, c, pre, dc, dx, dw, T, D, h, n, M, per, BT=_PROJ_BT, BD=_PROJ_BD,
-                                    MP=MP, num_warps=4)
+                                    MP=MP, BF16=bf16, num_warps=4)
     return dx, dw.sum(0)[:M]
 
 
