@@ -68,6 +68,12 @@ def main(argv=None) -> int:
             "proj fwd (norm + x @ fn^T)": (lambda: K._proj_fwd(flat.view(s, n * h), hc.fn, 1e-5), sb),
             "apply fwd (post*y + comb^T@s)": (lambda: K.apply_output(y.view(s, h), flat, post, comb), 2 * sb + yb),
         }
+        yg = y.view(s, h).detach().requires_grad_(True)
+        sg = flat.detach().requires_grad_(True)
+        pg = post.detach().requires_grad_(True)
+        cg = comb.detach().requires_grad_(True)
+        kernels["apply fwd+bwd"] = (lambda: K.apply_output(yg, sg, pg, cg).backward(g_new.view(s, n, h)),
+                                    5 * sb + 3 * yb)
         for name, (fn, nbytes) in kernels.items():
             t = cuda_time(fn, a.iters)
             print(f"s={s:6d}   {name:32s} {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s", flush=True)

@@ -405,7 +405,7 @@ def test_fla_backend_matches_torch(mcore, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,lower_bound", [(torch.bfloat16, -5.0), (torch.bfloat16, None),
-                                               (torch.float32, -5.0)])
+                                               (torch.float32, -5.0)], ids=["bf16-lb5", "bf16-softplus", "fp32-lb5"])
 def test_fla_fused_backend_matches_torch(mcore, dtype, lower_bound):
     """kda_backend='fla_fused' (FLA conv + in-kernel gate / beta / l2norm + fused gated norm) against the 'torch'
     layer: output, input gradient and every parameter gradient (conv, A_log, dt_bias, norm weight included) on a
