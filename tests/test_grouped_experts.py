@@ -96,3 +96,42 @@ def test_grouped_matches_sequential_gpu_bf16(mcore):
     for n in g_s:
         assert torch.isfinite(g_g[n]).all(), n
         assert _rel(g_g[n], g_s[n]) < 2e-2, n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit,offset,dtype", [(10.0, 0.0, torch.bfloat16), (None, 0.0, torch.float32),
+                                                (1.5, 0.5, torch.float32)])
+def test_fused_clamped_swiglu_matches_reference_gpu(limit, offset, dtype):
+    """The Triton clamped SwiGLU (kernels/glu.py) against grouped_glu's PyTorch ops: output and the gradients of
+    y1 and the probabilities, ragged sizes, values on both sides of the clamp (fp32: to rounding; bf16: against an
+    fp32 run of the reference, no worse than the bf16 reference plus rounding)."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from megatron_glm5.kernels.glu import clamped_swiglu
+    from megatron_glm5.models.grouped_experts import grouped_glu
+
+    gen = torch.Generator().manual_seed(7 + int(offset * 10))
+    R, F = 333, 200
+    y1 = (torch.randn(R, 2 * F, generator=gen) * 4).to(dtype).cuda()
+    probs = torch.rand(R, generator=gen).cuda()
+    g = torch.randn(R, F, generator=gen).cuda()
+    cfg = SimpleNamespace(activation_func_clamp_value=limit, activation_func=torch.nn.functional.silu,
+                          glu_linear_offset=offset)
+
+    def run(fn, run_dtype):
+        y = y1.to(run_dtype).clone().requires_grad_(True)
+        p = probs.clone().requires_grad_(True)
+        out = fn(y, p)
+        assert out.dtype == run_dtype
+        (out.float() * g).sum().backward()
+        return out.float(), y.grad.float(), p.grad.float()
+
+    fused = run(lambda y, p: clamped_swiglu(y, p, limit, offset), dtype)
+    ref = run(lambda y, p: grouped_glu(y, p, cfg), dtype)
+    exact = run(lambda y, p: grouped_glu(y, p, cfg), torch.float32)
+    for name, o, r, e in zip(("out", "d_y1", "d_probs"), fused, ref, exact):
+        assert torch.isfinite(o).all(), name
+        err, err_ref = _rel(o, e), _rel(r, e)
+        print(f"glu {dtype} limit={limit} {name}: fused {err:.1e} (torch {err_ref:.1e})")
+        assert err < (2e-6 if dtype == torch.float32 else err_ref * 1.5 + 2e-3), (name, err, err_ref)

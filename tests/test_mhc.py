@@ -1,5 +1,7 @@
 """mHC (megatron_glm5.models.mhc) against HF's Glm5NextTextHyperConnection and decoder-layer formulas (fp32, CPU)."""
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -219,3 +221,56 @@ def test_fused_sinkhorn_matches_reference_gpu(n, iters):
     assert torch.isfinite(dx).all()
     assert (y - ref).abs().max().item() < 1e-6
     assert ((dx - rdx).norm() / rdx.norm()).item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,h,tokens,dtype", [(4, 256, 389, torch.float32), (3, 1100, 130, torch.float32),
+                                              (4, 512, 1000, torch.bfloat16), (2, 96, 77, torch.bfloat16)])
+def test_fused_mhc_matches_reference_gpu(n, h, tokens, dtype):
+    """The fused mHC kernels (input side: norm + projection + collapse; output side: post * y + comb^T @ streams)
+    against the PyTorch module path, forward and every gradient (streams, block output, fn, base, scale), on fresh
+    random inputs with ragged sizes (h and the token count not multiples of the block sizes). fp32: to rounding;
+    bf16: both against an fp32 run of the PyTorch path on the same (bf16-representable) values."""
+    pytest.importorskip("triton")
+    from megatron_glm5.kernels import mhc as fused_mhc
+
+    d = tiny_hf_config(hc_mult=n)
+    d["text_config"].update(hc_sinkhorn_iters=20, hidden_size=h)
+    d["vision_config"]["out_hidden_size"] = h
+    cfg = Glm5Config.from_hf(d)
+    gen = torch.Generator().manual_seed(n * 1000 + h + tokens)
+    hc = HyperConnection(cfg, layer_number=1).cuda()
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=gen) * 0.15)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=gen))
+        hc.scale.copy_(torch.rand(3, generator=gen) * 1.5 + 0.5)
+    fn_bits = hc.fn.detach().to(dtype)  # the fn a bf16 model holds
+    streams = (torch.randn(tokens // 2, 2, n, h, generator=gen) * 1.7 + 0.3).to(dtype).cuda()
+    block_out = torch.randn(tokens // 2, 2, h, generator=gen).to(dtype).cuda()
+    grads = [torch.randn(tokens // 2, 2, *shape, generator=gen).cuda() for shape in ((n,), (n, n), (h,), (n, h))]
+
+    def run(fused, run_dtype):
+        mod = copy.deepcopy(hc)
+        mod.use_fused_kernels = fused
+        mod.fn = torch.nn.Parameter(fn_bits.to(run_dtype))
+        s = streams.to(run_dtype).clone().requires_grad_(True)
+        y = block_out.to(run_dtype).clone().requires_grad_(True)
+        post, comb, col = mod(s)
+        new = apply_hyper_connection_output(y, s, post, comb, fused=fused)
+        assert post.dtype == comb.dtype == torch.float32 and col.dtype == new.dtype == run_dtype
+        loss = sum((o.float() * g).sum() for o, g in zip((post, comb, col, new), grads))
+        loss.backward()
+        return [t.detach().float().clone() for t in (post, comb, col, new, s.grad, y.grad, mod.fn.grad,
+                                                     mod.base.grad, mod.scale.grad)]
+
+    names = ("post", "comb", "collapsed", "new", "d_streams", "d_block_out", "d_fn", "d_base", "d_scale")
+    out, ref, exact = run(True, dtype), run(False, dtype), run(False, torch.float32)
+    assert fused_mhc.HAVE_TRITON
+    for name, o, r, e in zip(names, out, ref, exact):
+        assert torch.isfinite(o).all(), name
+        err, err_ref = _rel(o, e), _rel(r, e)
+        print(f"{dtype} n={n} h={h} T={tokens} {name}: fused {err:.1e} (torch path {err_ref:.1e})")
+        if dtype == torch.float32:
+            assert err < 2e-5, (name, err)
+        else:
+            assert err < max(2.0 * err_ref, 1e-4) + 2e-3, (name, err, err_ref)

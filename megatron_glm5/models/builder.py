@@ -20,11 +20,10 @@ from megatron_glm5.models.model import Glm5Model
 
 def default_backends(device: str) -> dict:
     """Fast paths where they are available, on CUDA: the Triton sparse MLA kernel for DSA, grouped-GEMM experts
-    and FLA's chunk_kda for KDA; the PyTorch references (and megatron-core's SequentialMLP) on CPU.
-
-    ``kda_backend='fla_fused'`` (FLA conv / in-kernel gates / fused gated norm around chunk_kda) is faster and is what
-    the 2026-12-03 train-step numbers in docs/performance.md used, but its GPU test against the 'torch' layer has not
-    completed yet (FLA compile time), so it is opt-in until that test passes."""
+    and ``kda_backend='fla_fused'`` for KDA (FLA's conv / in-kernel gates / fused gated norm around chunk_kda; its
+    GPU test against the 'torch' layer passed on an H200 on 2026-12-03); the PyTorch references (and megatron-core's
+    SequentialMLP) on CPU. (The mHC and expert-GLU Triton kernels need no backend setting: they run whenever the
+    tensors are on CUDA and triton is installed.)"""
     reference = {"kda_backend": "torch", "dsa_backend": "torch", "moe_experts_backend": "sequential"}
     if str(device).split(":")[0] != "cuda":
         return reference
@@ -38,7 +37,7 @@ def default_backends(device: str) -> dict:
     try:
         import fla.ops.kda  # noqa: F401
 
-        out["kda_backend"] = "fla"
+        out["kda_backend"] = "fla_fused"
     except Exception:  # noqa: BLE001 - no fla on this machine
         pass
     return out

@@ -65,6 +65,16 @@ class GroupedExperts(SequentialMLP):
             return False
         return True
 
+    def _glu(self, y1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """:func:`grouped_glu`; on CUDA with SiLU one Triton kernel each way (``megatron_glm5/kernels/glu.py``)."""
+        cfg = self.config
+        if y1.is_cuda and cfg.activation_func is torch.nn.functional.silu:
+            from megatron_glm5.kernels import glu
+
+            if glu.HAVE_TRITON:
+                return glu.clamped_swiglu(y1, probs, cfg.activation_func_clamp_value, cfg.glu_linear_offset)
+        return grouped_glu(y1, probs, cfg)
+
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         """``permuted_local_hidden_states [T, h]`` sorted by local expert, ``tokens_per_expert [E]``,
@@ -77,5 +87,5 @@ class GroupedExperts(SequentialMLP):
         w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2)   # [E, h, 2F]
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2)   # [E, F, h]
         y1 = torch._grouped_mm(x, w1.to(x.dtype), offs=offs)
-        a = grouped_glu(y1, permuted_probs, self.config)
+        a = self._glu(y1, permuted_probs)
         return torch._grouped_mm(a, w2.to(x.dtype), offs=offs), None

@@ -131,7 +131,12 @@ class HyperConnection(MegatronModule):
 
     ``recompute_sinkhorn`` (default ``True``, also read from ``config.hc_recompute_sinkhorn`` when present) saves
     activation memory with bitwise-identical results.
+
+    On CUDA with triton the forward runs through the fused kernels of ``megatron_glm5/kernels/mhc.py`` (the same
+    function to fp32 rounding; ``use_fused_kernels = False`` selects the PyTorch ops below on any device).
     """
+
+    use_fused_kernels: bool = True
 
     def __init__(self, config, layer_number: Optional[int] = None, recompute_sinkhorn: Optional[bool] = None):
         super().__init__(config=config)
@@ -172,9 +177,17 @@ class HyperConnection(MegatronModule):
         x = streams.reshape(*lead, n * streams.shape[-1]).float()
         x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
         mixes = F.linear(x, self.fn.float())
+        return self.weights_from_mixes(mixes, self.base, self.scale)
+
+    def weights_from_mixes(self, mixes: torch.Tensor, base: torch.Tensor,
+                           scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 ``mixes [.., (2 + n) n]`` (the normalised projection) -> ``(pre, post, comb)``; ``base`` / ``scale``
+        are passed in (not read from ``self``) so the fused path can replay this map under autograd."""
+        n = self.hc_mult
+        lead = mixes.shape[:-1]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        base = self.base.float()
-        scale = self.scale.float()
+        base = base.float()
+        scale = scale.float()
         pre_b, post_b, comb_b = base.split([n, n, n * n])
         pre_s, post_s, comb_s = scale.unbind(0)
 
@@ -190,6 +203,11 @@ class HyperConnection(MegatronModule):
             raise ValueError(
                 f"HyperConnection expects streams [s, b, {self.hc_mult}, h], got {tuple(streams.shape)} "
                 "(use streams_view(x, hc_mult) on the flat [s, b, n*h] layout)")
+        if self.use_fused_kernels and _fused_available(streams):
+            from megatron_glm5.kernels import mhc as fused
+
+            return fused.hyper_connection(streams, self.fn, self.base, self.scale, self.weights_from_mixes,
+                                          self.norm_eps)
         pre, post, comb = self.compute_weights(streams)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return post, comb, collapsed
@@ -203,10 +221,28 @@ class HyperConnection(MegatronModule):
                 f"hc_eps={self.hc_eps}, norm_eps={self.norm_eps}")
 
 
+def _fused_available(x: torch.Tensor) -> bool:
+    """CUDA tensor and triton importable: the fused mHC kernels (``megatron_glm5/kernels/mhc.py``) can run."""
+    if not x.is_cuda:
+        return False
+    from megatron_glm5.kernels import mhc as fused
+
+    return fused.HAVE_TRITON
+
+
 def apply_hyper_connection_output(block_out: torch.Tensor, residual_streams: torch.Tensor, post: torch.Tensor,
-                                  comb: torch.Tensor) -> torch.Tensor:
+                                  comb: torch.Tensor, fused: Optional[bool] = None) -> torch.Tensor:
     """New streams ``[s, b, n, h]`` = ``post[.., j] * block_out + sum_i comb[.., i, j] * residual_streams[.., i, :]``
-    (HF's decoder-layer formula; ``post``/``comb`` are cast to the activations' dtype first)."""
+    (HF's decoder-layer formula; ``post``/``comb`` are cast to the activations' dtype first).
+
+    ``fused`` (default: on CUDA with triton) runs one Triton kernel forward and one backward instead, in fp32 with a
+    single rounding to the streams' dtype (``megatron_glm5.kernels.mhc.apply_output``)."""
+    if fused is None:
+        fused = _fused_available(residual_streams)
+    if fused:
+        from megatron_glm5.kernels import mhc as fused_mhc
+
+        return fused_mhc.apply_output(block_out, residual_streams, post, comb)
     dtype = residual_streams.dtype
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
         comb.to(dtype).transpose(-1, -2), residual_streams)

@@ -1,0 +1,384 @@
+"""mHC stream arithmetic as Triton kernels: the hyper-connection's input side (stream RMS norm + projection onto the
+``(2 + n) n`` mixes, the weighted collapse) and its output side (``post * y + comb^T @ streams``), forward and
+backward. The PyTorch references are the formulas in :mod:`megatron_glm5.models.mhc`
+(``HyperConnection.compute_weights`` / ``forward`` and ``apply_hyper_connection_output``) and the ``*_reference``
+functions here, which spell out what each kernel computes.
+
+Notation (``T`` tokens = the flattened leading dims, ``n = hc_mult`` streams of width ``h``, ``D = n h``,
+``M = (2 + n) n`` mixes): ``streams [T, n, h]`` (bf16 or fp32), ``fn [M, D]``.
+
+Input side (:func:`hyper_connection`, one ``autograd.Function``):
+
+* ``mixes = (streams_flat @ fn^T) * rstd`` with ``rstd = rsqrt(mean(streams_flat^2) + norm_eps)`` -- one pass over
+  the streams (``_proj_fwd_kernel``; bf16 tensor-core dots when streams and ``fn`` are bf16 -- exact products, fp32 sums --
+  else fp32 through ``tf32x3`` dots; the
+  norm applied to the ``[T, M]`` result instead of the ``[T, D]`` input: the same function up to fp32 rounding);
+* ``pre, post, comb`` from ``mixes`` by the caller's ``weights_fn`` (tiny ``[T, M]`` PyTorch ops, the Sinkhorn);
+* ``collapsed = sum_i pre_i * stream_i`` (fp32 accumulation, cast to the streams' dtype; ``_collapse_fwd_kernel``).
+
+  Backward: ``d_pre`` (``_collapse_bwd_kernel``), then ``d_mixes`` by autograd through ``weights_fn`` replayed on
+  the saved ``mixes`` (and ``d_base`` / ``d_scale`` with it), then one kernel (``_proj_bwd_kernel``) that writes
+  ``d_streams = pre * d_collapsed + (d_mixes rstd) @ fn + c * streams`` (``c = -rstd^2 / D * sum_m d_mixes
+  mixes``: the norm's gradient) and accumulates ``d_fn = (d_mixes rstd)^T @ streams``.
+
+Output side (:func:`apply_output`): ``new[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * streams[t, i]`` in fp32,
+rounded once to the streams' dtype; the backward gives ``d_y``, ``d_streams``, ``d_post`` and ``d_comb`` in one
+pass (``_apply_bwd_kernel``).
+
+Only the inputs are saved (streams, the ``[T, M]`` mixes and ``[T]`` rstd); the fp32 ``[T, D]`` temporaries of the
+PyTorch version never exist. Index arithmetic is in int64 (``T * D`` passes 2^31 at long sequences).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    HAVE_TRITON = False
+
+__all__ = ["HAVE_TRITON", "hyper_connection", "apply_output", "mixes_reference", "collapse_reference",
+           "apply_output_reference"]
+
+_NUM_SMS = 132  # only sizes the split grids; any value is correct
+
+
+# ----------------------------------------------------------------------------------------------- references
+def mixes_reference(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``[T, n, h]`` -> fp32 ``[T, M]``: HF's RMS-normalised fp32 projection (``HyperConnection.compute_weights``)."""
+    x = streams.reshape(streams.shape[0], -1).float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    return torch.nn.functional.linear(x, fn.float())
+
+
+def collapse_reference(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_i pre[.., i] * streams[.., i, :]`` in fp32, cast to the streams' dtype (``HyperConnection.forward``)."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+
+def apply_output_reference(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                           comb: torch.Tensor) -> torch.Tensor:
+    """``post[.., j] * block_out + sum_i comb[.., i, j] * streams[.., i, :]`` in fp32, cast to the streams' dtype
+    (the kernel's rounding; ``mhc.apply_hyper_connection_output`` is HF's, which rounds the coefficients first)."""
+    out = post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(
+        comb.float().transpose(-1, -2), streams.float())
+    return out.to(streams.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+if HAVE_TRITON:
+
+    @triton.jit
+    def _dot(a, b, BF16: tl.constexpr):
+        """fp32-accurate ``a @ b`` for fp32 ``a`` and ``b`` holding bf16 values (``BF16``: two bf16 tensor-core
+        dots, ``a`` split into bf16 high and low parts, so the error is ~2^-17 relative), else ``tf32x3``."""
+        if BF16:
+            a_hi = a.to(tl.bfloat16)
+            a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+            b16 = b.to(tl.bfloat16)
+            return tl.dot(a_hi, b16) + tl.dot(a_lo, b16)
+        else:
+            return tl.dot(a, b, input_precision="tf32x3")
+
+    @triton.jit
+    def _proj_fwd_kernel(X, W, RAW, SS, T, D, M, D_PER_SPLIT, BT: tl.constexpr, BD: tl.constexpr,
+                         MP: tl.constexpr, BF16: tl.constexpr):
+        """Partial ``raw = X @ W^T`` and ``ss = sum(X^2)`` over one split of D for BT tokens (``BF16``: X and W
+        are bf16, so one bf16 tensor-core dot is exact in its products)."""
+        pid_t = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
+        m = tl.arange(0, MP)
+        tmask = t < T
+        mmask = m < M
+        acc = tl.zeros([BT, MP], dtype=tl.float32)
+        ss = tl.zeros([BT], dtype=tl.float32)
+        d_lo = pid_s * D_PER_SPLIT
+        d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
+        for d0 in range(d_lo, d_hi, BD):
+            d = d0 + tl.arange(0, BD)
+            dmask = d < d_hi
+            x = tl.load(X + t[:, None] * D + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
+            w = tl.load(W + m[:, None] * D + d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
+            if BF16:
+                acc += tl.dot(x, tl.trans(w))
+            else:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32x3")
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        base = pid_s.to(tl.int64) * T
+        tl.store(RAW + (base + t[:, None]) * MP + m[None, :], acc, mask=tmask[:, None])
+        tl.store(SS + base + t, ss, mask=tmask)
+
+    @triton.jit
+    def _proj_bwd_kernel(X, W, DZ, C, PRE, DC, DX, DW, T, D, H, N, M, T_PER_SPLIT, BT: tl.constexpr,
+                         BD: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+        """``DX = PRE[t, d // H] * DC[t, d % H] + DZ @ W + C * X`` for one D block over one split of the tokens,
+        and the partial ``DW = DZ^T @ X`` of that split."""
+        pid_d = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        d = pid_d * BD + tl.arange(0, BD)
+        dmask = d < D
+        i = d // H
+        k = d % H
+        m = tl.arange(0, MP)
+        w = tl.load(W + m[:, None] * D + d[None, :], mask=(m < M)[:, None] & dmask[None, :], other=0.0)
+        w = w.to(tl.float32)
+        accw = tl.zeros([MP, BD], dtype=tl.float32)
+        t_lo = pid_s * T_PER_SPLIT
+        t_hi = tl.minimum(t_lo + T_PER_SPLIT, T)
+        for t0 in range(t_lo, t_hi, BT):
+            t = (t0 + tl.arange(0, BT)).to(tl.int64)
+            tmask = t < t_hi
+            mask2 = tmask[:, None] & dmask[None, :]
+            x = tl.load(X + t[:, None] * D + d[None, :], mask=mask2, other=0.0).to(tl.float32)
+            dz = tl.load(DZ + t[:, None] * MP + m[None, :], mask=tmask[:, None], other=0.0)
+            c = tl.load(C + t, mask=tmask, other=0.0)
+            pre = tl.load(PRE + t[:, None] * N + i[None, :], mask=mask2, other=0.0)
+            dc = tl.load(DC + t[:, None] * H + k[None, :], mask=mask2, other=0.0).to(tl.float32)
+            dx = _dot(dz, w, BF16) + c[:, None] * x + pre * dc
+            tl.store(DX + t[:, None] * D + d[None, :], dx.to(DX.dtype.element_ty), mask=mask2)
+            accw += _dot(tl.trans(dz), x, BF16)
+        tl.store(DW + (pid_s.to(tl.int64) * MP + m[:, None]) * D + d[None, :], accw, mask=dmask[None, :])
+
+    @triton.jit
+    def _collapse_fwd_kernel(S, PRE, OUT, N, H, NP: tl.constexpr, BH: tl.constexpr):
+        """``OUT[t, k] = sum_i PRE[t, i] * S[t, i, k]`` for one token and BH columns."""
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.program_id(1) * BH + tl.arange(0, BH)
+        i = tl.arange(0, NP)
+        mask = (i < N)[:, None] & (k < H)[None, :]
+        s = tl.load(S + (t * N + i[:, None]) * H + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(PRE + t * N + i, mask=i < N, other=0.0)
+        out = tl.sum(p[:, None] * s, axis=0)
+        tl.store(OUT + t * H + k, out.to(OUT.dtype.element_ty), mask=k < H)
+
+    @triton.jit
+    def _collapse_bwd_kernel(S, DC, DPRE, N, H, NP: tl.constexpr, BH: tl.constexpr):
+        """``DPRE[t, i] = sum_k DC[t, k] * S[t, i, k]`` for one token."""
+        t = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, NP)
+        acc = tl.zeros([NP, BH], dtype=tl.float32)
+        for k0 in range(0, H, BH):
+            k = k0 + tl.arange(0, BH)
+            mask = (i < N)[:, None] & (k < H)[None, :]
+            s = tl.load(S + (t * N + i[:, None]) * H + k[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(DC + t * H + k, mask=k < H, other=0.0).to(tl.float32)
+            acc += s * g[None, :]
+        tl.store(DPRE + t * N + i, tl.sum(acc, axis=1), mask=i < N)
+
+    @triton.jit
+    def _apply_fwd_kernel(Y, S, POST, COMB, OUT, N, H, NP: tl.constexpr, BH: tl.constexpr):
+        """``OUT[t, j, k] = POST[t, j] * Y[t, k] + sum_i COMB[t, i, j] * S[t, i, k]`` for one token, BH columns."""
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.program_id(1) * BH + tl.arange(0, BH)
+        i = tl.arange(0, NP)
+        kmask = k < H
+        nmask = i < N
+        mask = nmask[:, None] & kmask[None, :]
+        s = tl.load(S + (t * N + i[:, None]) * H + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + t * H + k, mask=kmask, other=0.0).to(tl.float32)
+        comb = tl.load(COMB + t * N * N + i[:, None] * N + i[None, :], mask=nmask[:, None] & nmask[None, :],
+                       other=0.0)  # [i, j]
+        post = tl.load(POST + t * N + i, mask=nmask, other=0.0)  # [j]
+        out = post[:, None] * y[None, :] + tl.sum(comb[:, :, None] * s[:, None, :], axis=0)
+        tl.store(OUT + (t * N + i[:, None]) * H + k[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _apply_bwd_kernel(G, Y, S, POST, COMB, DY, DS, DPOST, DCOMB, N, H, NP: tl.constexpr, BH: tl.constexpr):
+        """One token: ``DY = sum_j POST_j G_j``, ``DS_i = sum_j COMB_ij G_j``, ``DPOST_j = <G_j, Y>``,
+        ``DCOMB_ij = <S_i, G_j>``."""
+        t = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, NP)
+        nmask = i < N
+        comb = tl.load(COMB + t * N * N + i[:, None] * N + i[None, :], mask=nmask[:, None] & nmask[None, :],
+                       other=0.0)
+        post = tl.load(POST + t * N + i, mask=nmask, other=0.0)
+        acc_post = tl.zeros([NP, BH], dtype=tl.float32)
+        acc_comb = tl.zeros([NP, NP, BH], dtype=tl.float32)
+        for k0 in range(0, H, BH):
+            k = k0 + tl.arange(0, BH)
+            kmask = k < H
+            mask = nmask[:, None] & kmask[None, :]
+            offs = (t * N + i[:, None]) * H + k[None, :]
+            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)  # [j, k]
+            s = tl.load(S + offs, mask=mask, other=0.0).to(tl.float32)  # [i, k]
+            y = tl.load(Y + t * H + k, mask=kmask, other=0.0).to(tl.float32)
+            dy = tl.sum(post[:, None] * g, axis=0)
+            tl.store(DY + t * H + k, dy.to(DY.dtype.element_ty), mask=kmask)
+            ds = tl.sum(comb[:, :, None] * g[None, :, :], axis=1)
+            tl.store(DS + offs, ds.to(DS.dtype.element_ty), mask=mask)
+            acc_post += g * y[None, :]
+            acc_comb += s[:, None, :] * g[None, :, :]
+        tl.store(DPOST + t * N + i, tl.sum(acc_post, axis=1), mask=nmask)
+        tl.store(DCOMB + t * N * N + i[:, None] * N + i[None, :], tl.sum(acc_comb, axis=2),
+                 mask=nmask[:, None] & nmask[None, :])
+
+
+def _np2(n: int, lo: int = 2) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+_PROJ_BT, _PROJ_BD = 32, 128
+_COL_BH = 1024
+
+
+def _proj_fwd(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, D]``, ``fn [M, D]`` -> fp32 ``(mixes [T, M], rstd [T])``."""
+    T, D = x.shape
+    M = fn.shape[0]
+    MP = _np2(M, 16)
+    n_t = triton.cdiv(T, _PROJ_BT)
+    splits = max(1, min(triton.cdiv(D, _PROJ_BD), triton.cdiv(2 * _NUM_SMS, n_t)))
+    per = triton.cdiv(triton.cdiv(D, splits), _PROJ_BD) * _PROJ_BD
+    splits = triton.cdiv(D, per)
+    raw = torch.empty(splits, T, MP, device=x.device, dtype=torch.float32)
+    ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
+    bf16 = x.dtype == fn.dtype == torch.bfloat16
+    _proj_fwd_kernel[(n_t, splits)](x, fn, raw, ss, T, D, M, per, BT=_PROJ_BT, BD=_PROJ_BD, MP=MP, BF16=bf16,
+                                    num_warps=4)
+    rstd = torch.rsqrt(ss.sum(0) / D + norm_eps)
+    mixes = raw.sum(0)[:, :M] * rstd[:, None]
+    return mixes, rstd
+
+
+def _proj_bwd(x, fn, dz, c, pre, dc, n, h):
+    """See ``_proj_bwd_kernel``; returns ``(d_x [T, D] in x's dtype, d_fn [M, D] fp32)``."""
+    T, D = x.shape
+    M = fn.shape[0]
+    MP = dz.shape[1]
+    n_d = triton.cdiv(D, _PROJ_BD)
+    splits = max(1, min(triton.cdiv(T, _PROJ_BT), triton.cdiv(4 * _NUM_SMS, n_d)))
+    per = triton.cdiv(triton.cdiv(T, splits), _PROJ_BT) * _PROJ_BT
+    splits = triton.cdiv(T, per)
+    dx = torch.empty_like(x)
+    dw = torch.empty(splits, MP, D, device=x.device, dtype=torch.float32)
+    bf16 = x.dtype == fn.dtype == torch.bfloat16
+    _proj_bwd_kernel[(n_d, splits)](x, fn, dz, c, pre, dc, dx, dw, T, D, h, n, M, per, BT=_PROJ_BT, BD=_PROJ_BD,
+                                    MP=MP, BF16=bf16, num_warps=4)
+    return dx, dw.sum(0)[:M]
+
+
+class _HyperConnectionFunction(torch.autograd.Function):
+    """``(streams [T, n, h], fn, base, scale) -> (post [T, n], comb [T, n, n], collapsed [T, h])``."""
+
+    @staticmethod
+    def forward(ctx, streams, fn, base, scale, weights_fn, norm_eps):
+        T, n, h = streams.shape
+        x = streams.view(T, n * h)
+        mixes, rstd = _proj_fwd(x, fn, norm_eps)
+        with torch.no_grad():
+            pre, post, comb = weights_fn(mixes, base, scale)
+        pre = pre.contiguous()
+        collapsed = torch.empty(T, h, device=streams.device, dtype=streams.dtype)
+        _collapse_fwd_kernel[(T, triton.cdiv(h, _COL_BH))](streams, pre, collapsed, n, h, NP=_np2(n),
+                                                          BH=_COL_BH, num_warps=4)
+        ctx.save_for_backward(streams, fn, base, scale, mixes, rstd)
+        ctx.weights_fn = weights_fn
+        return post, comb, collapsed
+
+    @staticmethod
+    def backward(ctx, d_post, d_comb, d_collapsed):
+        streams, fn, base, scale, mixes, rstd = ctx.saved_tensors
+        T, n, h = streams.shape
+        if d_collapsed is None:
+            d_collapsed = torch.zeros(T, h, device=streams.device, dtype=streams.dtype)
+        d_collapsed = d_collapsed.contiguous()
+        d_pre = torch.empty(T, n, device=streams.device, dtype=torch.float32)
+        _collapse_bwd_kernel[(T,)](streams, d_collapsed, d_pre, n, h, NP=_np2(n), BH=_COL_BH // _np2(n),
+                                   num_warps=4)
+        with torch.enable_grad():
+            m = mixes.detach().requires_grad_(True)
+            b = base.detach().requires_grad_(ctx.needs_input_grad[2])
+            s = scale.detach().requires_grad_(ctx.needs_input_grad[3])
+            pre, post, comb = ctx.weights_fn(m, b, s)
+            outs, grads = [pre], [d_pre]
+            for o, g in ((post, d_post), (comb, d_comb)):
+                if g is not None:
+                    outs.append(o)
+                    grads.append(g)
+            wrt = [m] + [p for p in (b, s) if p.requires_grad]
+            got = list(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+        g_mixes = got.pop(0)
+        d_base = got.pop(0) if b.requires_grad else None
+        d_scale = got.pop(0) if s.requires_grad else None
+        if d_base is not None:
+            d_base = d_base.to(base.dtype)
+        if d_scale is not None:
+            d_scale = d_scale.to(scale.dtype)
+        M = mixes.shape[1]
+        MP = _np2(M, 16)
+        D = n * h
+        dz = torch.zeros(T, MP, device=streams.device, dtype=torch.float32)
+        dz[:, :M] = g_mixes * rstd[:, None]
+        c = -(rstd * rstd / D) * (g_mixes * mixes).sum(-1)
+        dx, d_fn = _proj_bwd(streams.view(T, D), fn, dz, c.contiguous(), pre.detach().contiguous(), d_collapsed,
+                             n, h)
+        d_streams = dx.view(T, n, h) if ctx.needs_input_grad[0] else None
+        d_fn = d_fn.to(fn.dtype) if ctx.needs_input_grad[1] else None
+        return d_streams, d_fn, d_base, d_scale, None, None
+
+
+class _ApplyOutputFunction(torch.autograd.Function):
+    """``(block_out [T, h], streams [T, n, h], post [T, n], comb [T, n, n]) -> new streams [T, n, h]``."""
+
+    @staticmethod
+    def forward(ctx, block_out, streams, post, comb):
+        T, n, h = streams.shape
+        out = torch.empty_like(streams)
+        _apply_fwd_kernel[(T, triton.cdiv(h, _COL_BH))](block_out, streams, post, comb, out, n, h, NP=_np2(n),
+                                                       BH=_COL_BH, num_warps=4)
+        ctx.save_for_backward(block_out, streams, post, comb)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        block_out, streams, post, comb = ctx.saved_tensors
+        T, n, h = streams.shape
+        grad = grad.contiguous()
+        d_y = torch.empty_like(block_out)
+        d_s = torch.empty_like(streams)
+        d_post = torch.empty(T, n, device=grad.device, dtype=torch.float32)
+        d_comb = torch.empty(T, n, n, device=grad.device, dtype=torch.float32)
+        np2 = _np2(n)
+        bh = max(16, 4096 // (np2 * np2))
+        _apply_bwd_kernel[(T,)](grad, block_out, streams, post, comb, d_y, d_s, d_post, d_comb, n, h, NP=np2,
+                                BH=bh, num_warps=4)
+        return d_y, d_s, d_post.to(post.dtype), d_comb.to(comb.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+def hyper_connection(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                     weights_fn: Callable, norm_eps: float):
+    """Fused mHC input side on ``streams [..., n, h]``: returns ``(post [..., n], comb [..., n, n], collapsed
+    [..., h])`` like ``HyperConnection.forward``. ``weights_fn(mixes [T, M] fp32, base, scale) -> (pre, post,
+    comb)`` is the module's own map from the mixes to the weights (replayed under autograd in backward)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("the fused mHC kernels need triton")
+    lead = streams.shape[:-2]
+    n, h = streams.shape[-2:]
+    flat = streams.reshape(-1, n, h).contiguous()
+    post, comb, collapsed = _HyperConnectionFunction.apply(flat, fn.contiguous(), base, scale, weights_fn,
+                                                           float(norm_eps))
+    return post.view(*lead, n), comb.view(*lead, n, n), collapsed.view(*lead, h)
+
+
+def apply_output(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                 comb: torch.Tensor) -> torch.Tensor:
+    """Fused ``post[.., j] * block_out + sum_i comb[.., i, j] * streams[.., i, :]`` on ``streams [..., n, h]``
+    (fp32 arithmetic, one rounding to the streams' dtype)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("the fused mHC kernels need triton")
+    n, h = streams.shape[-2:]
+    if block_out.dtype != streams.dtype:
+        block_out = block_out.to(streams.dtype)
+    out = _ApplyOutputFunction.apply(block_out.reshape(-1, h).contiguous(), streams.reshape(-1, n, h).contiguous(),
+                                     post.reshape(-1, n).float().contiguous(),
+                                     comb.reshape(-1, n, n).float().contiguous())
+    return out.view(streams.shape)
