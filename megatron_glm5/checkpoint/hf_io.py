@@ -195,9 +195,11 @@ class HFCheckpointReader:
         """The stored tensor (a view of the file's private mapping)."""
         return self._file(key).get(key)
 
-    def get(self, key: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def get(self, key: str, dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The tensor as the model should see it: FP8 weights dequantised (to ``dtype`` or bf16) with checked
-        scales; values checked finite; integer dtypes refused."""
+        scales; values checked finite; integer dtypes refused. ``out``: where an FP8 weight is dequantised to (a
+        contiguous tensor of its shape and the output dtype; unused for other tensors, which are returned as views
+        of the file)."""
         t = self.raw(key)
         if t.dtype == FP8_DTYPE:
             scale = self.raw(key + SCALE_SUFFIX)
@@ -212,7 +214,7 @@ class HFCheckpointReader:
                 raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation (scale {float(scale.max())} "
                                               f"overflows {out_dtype})")
             # e4m3 codes are finite and at most FP8_MAX: with these scales every product is finite
-            return dequantize_fp8_blockwise(t, scale, out_dtype=out_dtype, block_size=self.block_size)
+            return dequantize_fp8_blockwise(t, scale, out_dtype=out_dtype, block_size=self.block_size, out=out)
         if t.dtype not in FLOAT_DTYPES:
             raise CheckpointMismatchError(f"{key}: stored as {DTYPE_NAMES[t.dtype]}; a floating-point tensor is "
                                           "expected")
