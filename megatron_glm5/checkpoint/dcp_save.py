@@ -22,6 +22,7 @@ import os
 import queue as queue_mod
 import threading
 import time
+import warnings
 from collections import defaultdict
 from typing import Callable, Dict, Optional
 
@@ -210,8 +211,14 @@ def _strategy_cls():
             pyt_state_dict = mcore_to_pyt_state_dict(_group_by_sharded_key(sharded_state_dict), False)
             self.writer = _writer_cls()(str(checkpoint_dir), self.threads, self.checkpoint_id)
             self.planner = _planner_cls()(self.lazy, self.on_bytes)
+            # one process: DCP's plan exchange without collectives (it pickles every plan through gloo otherwise);
+            # the same planner calls, so the same metadata
+            single = dist.get_world_size() == 1
+            if single:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                                        "uninitialized", category=UserWarning)
             try:
-                dcp_save(pyt_state_dict, storage_writer=self.writer, planner=self.planner)
+                dcp_save(pyt_state_dict, storage_writer=self.writer, planner=self.planner, no_dist=single)
             except BaseException:
                 if self.planner.error is not None:
                     raise self.planner.error from None

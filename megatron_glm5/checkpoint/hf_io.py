@@ -114,6 +114,7 @@ class HFCheckpointReader:
         else:
             raise CheckpointMismatchError(f"{hf_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
         self._files: Dict[str, SafetensorsFile] = {}
+        self._headers: Dict[str, tuple] = {}  # validated headers, reused when a closed file is mapped again
         fnames = [SINGLE_FILE] if self.key_to_file is None else sorted(set(self.key_to_file.values()))
         owner: Dict[str, str] = {}
         blobs = hub_blobs_dir(hf_dir)  # a hub cache snapshot's files are links into its repository's blobs/
@@ -122,6 +123,7 @@ class HFCheckpointReader:
             if not os.path.isfile(path):
                 raise CheckpointMismatchError(f"{hf_dir}: shard {fname} named in the index is missing")
             f = self._files[fname] = SafetensorsFile(path)
+            self._headers[fname] = f.header()
             for k in f.keys():
                 if k in owner:
                     raise CheckpointMismatchError(f"{hf_dir}: duplicate tensor name {k!r} in {owner[k]} and {fname}")
@@ -182,7 +184,7 @@ class HFCheckpointReader:
         files = self._files  # (close() swaps the dict; never mutate a dict another thread may be reading)
         f = files.get(fname)
         if f is None:  # reopened after close()
-            f = files[fname] = SafetensorsFile(os.path.join(self.hf_dir, fname))
+            f = files[fname] = SafetensorsFile(os.path.join(self.hf_dir, fname), header=self._headers.get(fname))
         return f
 
     def shape(self, key: str):
