@@ -206,17 +206,19 @@ class HFCheckpointReader:
         if t.dtype == FP8_DTYPE:
             scale = self.raw(key + SCALE_SUFFIX)
             out_dtype = dtype or torch.bfloat16
-            if not all_finite(scale) or not bool((scale > 0).all()):
+            lo, hi = (float(v) for v in torch.aminmax(scale)) if scale.numel() else (1.0, 1.0)  # NaN propagates
+            if not (lo > 0 and hi < math.inf):
                 raise CheckpointMismatchError(f"{key + SCALE_SUFFIX}: FP8 scales must be positive and finite "
                                               f"(found {_worst(scale)})")
             nan = fp8_nan_count(t)
             if nan:
                 raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation ({nan} NaN codes)")
-            if float(scale.max()) * FP8_MAX >= torch.finfo(out_dtype).max:
-                raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation (scale {float(scale.max())} "
-                                              f"overflows {out_dtype})")
+            if hi * FP8_MAX >= torch.finfo(out_dtype).max:
+                raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation (scale {hi} overflows "
+                                              f"{out_dtype})")
             # e4m3 codes are finite and at most FP8_MAX: with these scales every product is finite
-            return dequantize_fp8_blockwise(t, scale, out_dtype=out_dtype, block_size=self.block_size, out=out)
+            return dequantize_fp8_blockwise(t, scale, out_dtype=out_dtype, block_size=self.block_size, out=out,
+                                            checked=hi < 2.0 ** 7 and t.numel() > 0)
         if t.dtype not in FLOAT_DTYPES:
             raise CheckpointMismatchError(f"{key}: stored as {DTYPE_NAMES[t.dtype]}; a floating-point tensor is "
                                           "expected")
