@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """Throughput and peak memory of tools/convert_hf_to_mcore.py on a synthetic multi-GB FP8 checkpoint.
 
-    python scripts/bench_convert.py [--size-gb 2.2] [--shard-mb 256] [--workers 1] [--threads 2] [--dtype bf16]
-        [--dir DIR] [--keep] [--reuse]
+    python scripts/bench_convert.py [--size-gb 2.2] [--layers 8] [--shard-mb 256] [--workers 1] [--threads 2]
+        [--dtype bf16] [--dir DIR] [--keep] [--reuse]
 
 1. Writes a random GLM-5.3 checkpoint in the released layout (block-FP8 e4m3 + ``weight_scale_inv`` for DSA
    projections, dense MLPs and experts, fp32 islands, BF16 elsewhere; sharded safetensors + index) for a text-only
-   config with hidden 1024 and as many routed experts as it takes to reach ``--size-gb``. It is generated shard by
-   shard (one shard in memory at a time); key names and shapes come from the shared key table
-   (``hf_keys.mcore_to_hf`` over the meta-built model), the same table every loader uses.
+   config with hidden 1024, ``--layers`` layers and as many routed experts as it takes to reach ``--size-gb``.
+   Shards are generated in parallel threads, each streamed to disk tensor by tensor; FP8 weights are random e4m3
+   codes (NaN codes excluded) with random positive block scales. Key names and shapes come from the shared key
+   table (``hf_keys.mcore_to_hf`` over the meta-built model), the same table every loader uses.
 2. Runs the converter CLI in a child process, sampling the resident memory of its whole process tree, and prints
    e.g. ``convert: 2.4 GB in 31 s = 79 MB/s, peak RSS 0.9 GB`` (wall time of the whole command, start-up included)
-   and the converter's own figure (from its first tensor read to the published checkpoint).
+   and the converter's own figures: the whole conversion (validation, planning, writing, publishing) and its
+   write phase alone (first tensor read to the last file synced), each as MB/s of FP8 input.
 
 ``--dir`` is a scratch folder the bench creates (a fresh temporary one by default); an existing folder is used only
 if an earlier run of the bench made it (``--reuse`` then keeps its synthetic checkpoint, ``--keep`` keeps it all).
@@ -73,14 +75,35 @@ def _stored_bytes(key, shape, text):
     return n * (4 if is_fp32_island_hf(key) else 2)
 
 
-def write_synthetic_checkpoint(out_dir: str, hf_cfg: dict, shard_mb: float, seed: int = 0) -> int:
-    """Write the checkpoint shard by shard; returns its size in bytes."""
+def _synthetic_tensor(key, shape, text, g):
+    """{name: tensor} for one HF key: FP8 codes + scale grid where the release stores FP8, else float data."""
     import torch
-    from safetensors.torch import save_file
 
-    from megatron_glm5.checkpoint.fp8 import is_fp8_in_release, quantize_fp8_blockwise
+    from megatron_glm5.checkpoint.fp8 import FP8_DTYPE, is_fp8_in_release
     from megatron_glm5.checkpoint.hf_keys import is_fp32_island_hf
-    from megatron_glm5.checkpoint.safetensors_io import nbytes
+
+    if len(shape) == 2 and is_fp8_in_release(key, text):
+        codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+        codes[(codes & 0x7F) == 0x7F] ^= 1  # no NaN codes
+        grid = (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+        scale = (0.5 + torch.rand(grid, generator=g)) / (448.0 * math.sqrt(shape[1]))
+        return {key: codes.view(FP8_DTYPE), key + "_scale_inv": scale}
+    if key.endswith("norm.weight") or len(shape) == 1:
+        t = 1 + 0.1 * torch.randn(shape, generator=g)
+    else:
+        t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    return {key: t if is_fp32_island_hf(key) else t.to(torch.bfloat16)}
+
+
+def write_synthetic_checkpoint(out_dir: str, hf_cfg: dict, shard_mb: float, seed: int = 0) -> int:
+    """Write the checkpoint, shards in parallel threads, each streamed tensor by tensor; returns its size in bytes."""
+    import concurrent.futures as cf
+
+    import torch
+
+    from megatron_glm5.checkpoint.fp8 import FP8_DTYPE, is_fp8_in_release
+    from megatron_glm5.checkpoint.hf_keys import is_fp32_island_hf
+    from megatron_glm5.checkpoint.safetensors_io import SafetensorsStreamWriter
 
     text = hf_cfg["text_config"]
     specs = hf_tensor_specs(hf_cfg)
@@ -95,27 +118,38 @@ def write_synthetic_checkpoint(out_dir: str, hf_cfg: dict, shard_mb: float, seed
         size += b
     shards.append(cur)
     os.makedirs(out_dir)
-    g = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
     t0 = time.time()
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for key, shape in shard:
-            if key.endswith("norm.weight") or len(shape) == 1:
-                t = 1 + 0.1 * torch.randn(shape, generator=g)
-            else:
-                t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    fnames = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    def one(i):
+        g = torch.Generator().manual_seed(seed * 100003 + i)
+        order = []  # (name, shape, dtype) in write order: each weight, then its scale
+        for key, shape in shards[i]:
             if len(shape) == 2 and is_fp8_in_release(key, text):
-                q, s = quantize_fp8_blockwise(t)
-                tensors[key], tensors[key + "_scale_inv"] = q, s
+                grid = (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+                order += [(key, shape, FP8_DTYPE), (key + "_scale_inv", grid, torch.float32)]
             else:
-                tensors[key] = t if is_fp32_island_hf(key) else t.to(torch.bfloat16)
-        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        total += sum(nbytes(t.shape, t.dtype) for t in tensors.values())
-        weight_map.update({k: fname for k in tensors})
-        del tensors
-        print(f"  shard {i + 1}/{len(shards)} written ({total / 1e9:.2f} GB, {time.time() - t0:.0f} s)", flush=True)
+                order.append((key, shape, torch.float32 if is_fp32_island_hf(key) else torch.bfloat16))
+        w = SafetensorsStreamWriter(os.path.join(out_dir, fnames[i]), order, metadata={"format": "pt"})
+        try:
+            for key, shape in shards[i]:
+                for name, t in _synthetic_tensor(key, shape, text, g).items():
+                    w.write(name, t)
+            w.close()
+        except BaseException:
+            w.abort()
+            raise
+        return [name for name, _, _ in order], w.data_bytes
+
+    weight_map, total = {}, 0
+    threads = max(1, min(len(shards), os.cpu_count() or 1))
+    torch.set_num_threads(1)  # the shards are the parallelism
+    with cf.ThreadPoolExecutor(threads) as ex:
+        for i, (names, nbytes_) in enumerate(ex.map(one, range(len(shards)))):
+            weight_map.update({k: fnames[i] for k in names})
+            total += nbytes_
+            print(f"  shard {i + 1}/{len(shards)} written ({total / 1e9:.2f} GB, {time.time() - t0:.0f} s)",
+                  flush=True)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
@@ -171,6 +205,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=2.2, help="approximate source checkpoint size (default 2.2)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     p.add_argument("--shard-mb", type=float, default=256)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=2, help="writer threads per converter process (default 2)")
@@ -197,7 +232,7 @@ def main(argv=None) -> int:
             print(f"reusing the synthetic FP8 checkpoint in {hf_dir} ({size / 1e9:.2f} GB)")
         else:
             shutil.rmtree(hf_dir, ignore_errors=True)
-            cfg = bench_hf_config(experts_for(a.size_gb))
+            cfg = bench_hf_config(experts_for(a.size_gb, a.layers), a.layers)
             print(f"writing a synthetic FP8 checkpoint ({cfg['text_config']['n_routed_experts']} experts x "
                   f"{cfg['text_config']['num_hidden_layers']} layers, hidden {cfg['text_config']['hidden_size']}) ...")
             size = write_synthetic_checkpoint(hf_dir, cfg, a.shard_mb)
@@ -209,7 +244,8 @@ def main(argv=None) -> int:
             info = json.load(fh)
         print(f"output: {info['checkpoint_bytes'] / 1e9:.2f} GB torch_dist ({a.dtype}), {info['num_tensors']} tensors, "
               f"{a.workers} worker(s) x {a.threads} writer thread(s); converter's own timer {info['seconds']:.1f} s "
-              f"= {size / 1e6 / info['seconds']:.0f} MB/s of FP8 input")
+              f"= {size / 1e6 / info['seconds']:.0f} MB/s of FP8 input; write phase {info['write_seconds']:.1f} s = "
+              f"{size / 1e6 / info['write_seconds']:.0f} MB/s of FP8 input")
         print(f"convert: {size / 1e9:.2f} GB in {secs:.0f} s = {size / 1e6 / secs:.0f} MB/s, "
               f"peak RSS {peak / 1e9:.2f} GB")
     finally:

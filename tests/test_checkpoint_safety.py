@@ -262,12 +262,12 @@ def test_sigkill_then_rerun(ck, tmp_path, capfd):
         from megatron_glm5.checkpoint.hf_io import HFCheckpointReader
         from megatron_glm5.cli.convert_hf_to_mcore import main
         real, n = HFCheckpointReader.get, [0]
-        def slow_get(self, key, dtype=None):
+        def slow_get(self, key, dtype=None, **kw):
             n[0] += 1
             if n[0] == 20:
                 open({str(ready)!r}, "w").close()
                 time.sleep(600)
-            return real(self, key, dtype)
+            return real(self, key, dtype, **kw)
         HFCheckpointReader.get = slow_get
         main(["--hf-dir", {ck["hf"]!r}, "--out", {str(out)!r}, "--no-progress"])
     """)], env=_env(), stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)

@@ -333,11 +333,11 @@ def test_interrupted_conversion_leaves_no_output(ckpts, tmp_path, monkeypatch):
 
     real_get, calls = HFCheckpointReader.get, []
 
-    def flaky_get(self, key, dtype=None):
+    def flaky_get(self, key, dtype=None, **kw):
         calls.append(key)
         if len(calls) == 25:
             raise RuntimeError("simulated crash while reading " + key)
-        return real_get(self, key, dtype)
+        return real_get(self, key, dtype, **kw)
 
     monkeypatch.setattr(HFCheckpointReader, "get", flaky_get)
     with pytest.raises(RuntimeError, match="simulated crash"):

@@ -99,3 +99,38 @@ def test_all_finite_on_the_bit_pattern():
             y = x.clone()
             y[int(torch.randint(0, 333, (1,), generator=g))] = bad
             assert not all_finite(y) and not all_finite(y[::1]), (dtype, bad)
+
+
+@pytest.mark.parametrize("shape", [(1100, 1024), (300, 200), (129, 4000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fast_path_into_out_and_checked(shape, dtype):
+    """The fast path proper (no NaN codes): several chunks and a partial block row, written into a reused ``out``
+    and with the reader's ``checked=True``, bitwise the reference."""
+    from megatron_glm5.checkpoint.fp8 import dequantize_fp8_reference
+
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] ^= 1
+    codes.view(-1)[:254] = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    grid = (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+    s = torch.rand(grid, generator=g) * 10.0 ** torch.randint(-6, 2, grid, generator=g) + 1e-9
+    ref = dequantize_fp8_reference(q, s, out_dtype=dtype)
+    out = torch.full(shape, 7.0, dtype=dtype)
+    for checked in (False, True):
+        got = dequantize_fp8_blockwise(q, s, out_dtype=dtype, out=out, checked=checked)
+        assert got is out and torch.equal(out, ref)
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize_fp8_blockwise(q, s, out_dtype=dtype, out=torch.empty(shape, dtype=torch.float16))
+
+
+def test_nan_code_count_finds_each_nan_code():
+    from megatron_glm5.checkpoint.fp8 import fp8_nan_count
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    clean = codes[(codes & 0x7F) != 0x7F]
+    assert fp8_nan_count(clean.view(torch.float8_e4m3fn)) == 0
+    for nan in (0x7F, 0xFF):
+        assert fp8_nan_count(torch.cat([clean, torch.tensor([nan, nan], dtype=torch.uint8)])
+                             .view(torch.float8_e4m3fn)) == 2
+    assert fp8_nan_count(torch.empty(0, dtype=torch.float8_e4m3fn)) == 0

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import threading
+import time
+import warnings
 from collections import defaultdict
 from typing import Callable, Dict, Optional
 
@@ -43,6 +45,7 @@ def _planner_cls():
             self.on_bytes = on_bytes
             self.error: Optional[BaseException] = None
             self.bytes_written = 0
+            self.first_produced: Optional[float] = None  # time.time() of the first tensor asked for
             self._lock = threading.Lock()
 
         def create_global_plan(self, all_plans):
@@ -54,6 +57,8 @@ def _planner_cls():
         def resolve_data(self, write_item):
             if write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
+            if self.first_produced is None:
+                self.first_produced = time.time()
             try:
                 idx = write_item.index
                 t = self.lazy.produce(idx.fqn, tuple(idx.offset))
@@ -74,6 +79,25 @@ def _planner_cls():
             return t
 
     return LazySavePlanner
+
+
+_WRITEBACK_BYTES = 32 * 2 ** 20
+
+
+def _start_writeback(raw, kicked: int) -> int:
+    """Once ``_WRITEBACK_BYTES`` more of ``raw`` are written, ask the kernel to start writing them to disk now
+    (``posix_fadvise(DONTNEED)`` starts the writeback of dirty pages without waiting for it, and drops the pages
+    already clean): the disk works while the threads convert, instead of the whole file waiting in the page cache
+    for the final fsync. Returns the new start of the range not yet kicked."""
+    pos = raw.tell()
+    if pos - kicked < _WRITEBACK_BYTES or not hasattr(os, "posix_fadvise"):
+        return kicked
+    raw.flush()
+    try:
+        os.posix_fadvise(raw.fileno(), kicked, pos - kicked, os.POSIX_FADV_DONTNEED)
+    except OSError:  # an advice only
+        pass
+    return pos
 
 
 def _writer_cls():
@@ -99,6 +123,7 @@ def _writer_cls():
                 for item in [w for w in write_items if w.type == WriteItemType.BYTE_IO]:
                     results.append(_write_item(self.transforms, stream, planner.resolve_data(item), item,
                                                storage_key, self.serialization_format))
+                kicked = 0  # bytes of the file whose writeback has been started
                 for item in [w for w in write_items if w.type != WriteItemType.BYTE_IO]:
                     if self._abort.is_set():
                         return
@@ -108,6 +133,7 @@ def _writer_cls():
                     results.append(_write_item(self.transforms, stream, t, item, storage_key,
                                                self.serialization_format))
                     del t
+                    kicked = _start_writeback(raw, kicked)
                 raw.flush()
                 os.fsync(raw.fileno())
             self.digests[os.path.basename(str(file_name))] = stream.hexdigest()
@@ -185,8 +211,14 @@ def _strategy_cls():
             pyt_state_dict = mcore_to_pyt_state_dict(_group_by_sharded_key(sharded_state_dict), False)
             self.writer = _writer_cls()(str(checkpoint_dir), self.threads, self.checkpoint_id)
             self.planner = _planner_cls()(self.lazy, self.on_bytes)
+            # one process: DCP's plan exchange without collectives (it pickles every plan through gloo otherwise);
+            # the same planner calls, so the same metadata
+            single = dist.get_world_size() == 1
+            if single:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                                        "uninitialized", category=UserWarning)
             try:
-                dcp_save(pyt_state_dict, storage_writer=self.writer, planner=self.planner)
+                dcp_save(pyt_state_dict, storage_writer=self.writer, planner=self.planner, no_dist=single)
             except BaseException:
                 if self.planner.error is not None:
                     raise self.planner.error from None
@@ -200,17 +232,20 @@ def save_streaming(model, sources: Dict[str, TensorSource], reader, out_dir: str
                    threads: int = 2) -> Dict:
     """Write the torch_dist checkpoint of ``model`` (meta, TP1) from ``reader`` into the existing empty ``out_dir``
     (``final_dir``: where it will be moved, recorded as the DCP checkpoint id). Collective over the default process
-    group (each rank writes the tensors it owns, in ``threads`` files). Returns byte counts and the SHA-256 of each
-    file this rank wrote."""
+    group (each rank writes the tensors it owns, in ``threads`` files). Returns byte counts, the SHA-256 of each
+    file this rank wrote and ``write_span``: (time of the first tensor read, time the last file was synced)."""
     from megatron.core import dist_checkpointing
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ssd, lazy, mine, total = prepare_sharded_state_dict(model, sources, reader, rank, world)
     strategy = _strategy_cls()(lazy, on_bytes, threads, final_dir)
     dist_checkpointing.save(ssd, out_dir, sharded_strategy=strategy, validate_access_integrity=True)
+    end = time.time()
     written = strategy.planner.bytes_written if strategy.planner else 0
     if written != mine:
         raise RuntimeError(f"rank {rank} wrote {written} tensor bytes, expected {mine}")
+    first = strategy.planner.first_produced if strategy.planner else None
     return {"bytes": written, "hf_reads": lazy.hf_reads, "total_bytes": total,
-            "digests": dict(strategy.writer.digests) if strategy.writer else {}}
+            "digests": dict(strategy.writer.digests) if strategy.writer else {},
+            "write_span": (first if first is not None else end, end)}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -44,59 +45,77 @@ def dequantize_fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor, out_
 
 
 _TWO_POW_120 = 2.0 ** 120
-_INT32_SIGN = -(2 ** 31)
-_CHUNK_ELEMENTS = 1 << 18
+# int32 mask of the sign bit and of bits 26..20, where ``code << 20`` puts the 7 bits ``eeeemmm`` of an e4m3 code
+_CODE_BITS = 0x87F00000 - (1 << 32)
+_CHUNK_ELEMENTS = 1 << 20
+_scratch = threading.local()  # per thread: the int32 chunk buffer, reused call after call
+
+
+def _chunk_buffer(n: int) -> torch.Tensor:
+    buf = getattr(_scratch, "bits", None)
+    if buf is None or buf.numel() < n:
+        buf = _scratch.bits = torch.empty(max(n, _CHUNK_ELEMENTS), dtype=torch.int32)
+    return buf[:n]
 
 
 def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                             block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+                             block_size: Optional[Sequence[int]] = None, out: Optional[torch.Tensor] = None, *,
+                             checked: bool = False) -> torch.Tensor:
     """Bitwise equal to :func:`dequantize_fp8_reference`, several times faster on CPU (torch converts fp8 to float
     one element at a time): every e4m3 code ``s eeee mmm`` placed in the fp32 bit pattern ``s 0000eeee mmm0...``
-    is exactly ``value * 2^-120`` (subnormals included), so ``value * scale`` is that float times ``scale * 2^120``:
-    three integer passes and one multiply per element, a block row (``bo`` rows) at a time so it stays in cache.
-    NaN codes give NaN, as in the reference."""
+    is exactly ``value * 2^-120`` (subnormals included), so ``value * scale`` is that float times ``scale * 2^120``
+    (the same exact product, so the same rounding). Per element: the int8 code sign-extended to int32, shifted by
+    20 and masked (``s 1111eeee mmm`` -> ``s 0000eeee mmm``), one multiply, one cast into ``out``, about
+    ``_CHUNK_ELEMENTS`` at a time (whole block rows) through a per-thread int32 buffer. Few, large torch calls: each
+    releases and retakes the GIL, which is what several converting threads contend for.
+
+    ``out``: a contiguous ``[out, in]`` tensor of ``out_dtype`` to write into (reusing one saves the page faults of
+    a fresh allocation). NaN codes give NaN, as in the reference (that rare tensor takes the reference path).
+    ``checked``: the caller has established that ``weight`` holds no NaN codes and every scale is finite and in
+    ``(0, 2^7)`` (those reductions are then skipped)."""
     if weight.dim() != 2 or scale_inv.dim() != 2:
         raise ValueError(f"FP8 weight and scale must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
     bo, bi = _block_sizes(weight.shape, scale_inv.shape, block_size)
     rows, cols = weight.shape
-    scale = scale_inv.float()
-    if weight.dtype != FP8_DTYPE or rows * cols == 0 or not float(scale.abs().max()) < 2.0 ** 7:
-        return dequantize_fp8_reference(weight, scale_inv, out_dtype, block_size)  # (scale * 2^120 would overflow)
-    out = torch.empty(rows, cols, dtype=out_dtype)
-    codes = weight.view(torch.uint8)
-    col_scale = (scale * _TWO_POW_120).repeat_interleave(bi, 1)[:, :cols]  # [gr, cols]
-    step = bo * max(1, _CHUNK_ELEMENTS // (bo * cols))  # whole block rows, about _CHUNK_ELEMENTS at a time
-    # buffers reused chunk after chunk (fresh large allocations would page-fault on every chunk)
-    n0 = min(step, rows)
-    mag_buf = torch.empty(n0, cols, dtype=torch.uint8)
-    bits_buf = torch.empty(n0, cols, dtype=torch.int32)
-    sign_buf = torch.empty(n0, cols, dtype=torch.int32)
+    if out is not None and (tuple(out.shape) != (rows, cols) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {(rows, cols)}")
+    if not checked and (weight.dtype != FP8_DTYPE or rows * cols == 0
+                        or not float(scale_inv.abs().max()) < 2.0 ** 7 or fp8_nan_count(weight)):
+        # (scale * 2^120 would overflow; NaN codes need their own pattern)
+        ref = dequantize_fp8_reference(weight, scale_inv, out_dtype, block_size)
+        return ref if out is None else out.copy_(ref)
+    if out is None:
+        out = torch.empty(rows, cols, dtype=out_dtype)
+    codes = weight.view(torch.int8)
+    col_scale = (scale_inv.float() * _TWO_POW_120).repeat_interleave(bi, 1)  # [gr, gc * bi]
+    if col_scale.shape[1] != cols:
+        col_scale = col_scale[:, :cols]
+    step = bo * max(1, _CHUNK_ELEMENTS // (bo * cols))  # whole block rows
     for r0 in range(0, rows, step):
-        c8 = codes[r0:r0 + step]
-        n = c8.shape[0]
-        magnitude, bits, sign = mag_buf[:n], bits_buf[:n], sign_buf[:n]
-        torch.bitwise_and(c8, 0x7F, out=magnitude)
-        bits.copy_(magnitude)
+        n = min(step, rows - r0)
+        bits = _chunk_buffer(n * cols).view(n, cols)
+        bits.copy_(codes[r0:r0 + n])  # sign-extended: s 1111111 1111111 1111111 1eeeemmm for negative codes
         bits <<= 20
-        sign.copy_(c8.view(torch.int8))  # sign-extended: bit 31 set for negative codes
-        sign &= _INT32_SIGN
-        bits |= sign
+        bits &= _CODE_BITS
         f = bits.view(torch.float32)
         g0, nb = r0 // bo, -(-n // bo)
         if n == nb * bo:
             f.view(nb, bo, cols).mul_(col_scale[g0:g0 + nb, None, :])
         else:  # the last, partial block row
             f.mul_(col_scale[g0].expand(n, cols) if nb == 1 else col_scale[g0:g0 + nb].repeat_interleave(bo, 0)[:n])
-        if int(magnitude.max()) == 0x7F:  # NaN codes
-            f.masked_fill_(magnitude == 0x7F, float("nan"))
         out[r0:r0 + n].copy_(f)
     return out
 
 
 def fp8_nan_count(weight: torch.Tensor) -> int:
-    """Number of NaN codes (``s 1111 111``) in a float8_e4m3fn tensor (e4m3fn has no inf)."""
-    magnitude = weight.view(torch.uint8) & 0x7F
-    return int((magnitude == 0x7F).sum()) if magnitude.numel() and int(magnitude.max()) == 0x7F else 0
+    """Number of NaN codes (``s 1111 111``: 0x7F and 0xFF) in a float8_e4m3fn tensor (e4m3fn has no inf). Two max
+    reductions over the bytes decide "none" (the usual case); only then are they counted."""
+    if not weight.numel():
+        return 0
+    u8 = weight.view(torch.uint8)
+    if int(u8.max()) != 0xFF and int(u8.view(torch.int8).max()) != 0x7F:
+        return 0
+    return int(((u8 & 0x7F) == 0x7F).sum())
 
 
 def quantize_fp8_blockwise(weight: torch.Tensor, block_size: Sequence[int] = (128, 128)):

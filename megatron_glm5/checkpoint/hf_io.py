@@ -114,6 +114,7 @@ class HFCheckpointReader:
         else:
             raise CheckpointMismatchError(f"{hf_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
         self._files: Dict[str, SafetensorsFile] = {}
+        self._headers: Dict[str, tuple] = {}  # validated headers, reused when a closed file is mapped again
         fnames = [SINGLE_FILE] if self.key_to_file is None else sorted(set(self.key_to_file.values()))
         owner: Dict[str, str] = {}
         blobs = hub_blobs_dir(hf_dir)  # a hub cache snapshot's files are links into its repository's blobs/
@@ -122,6 +123,7 @@ class HFCheckpointReader:
             if not os.path.isfile(path):
                 raise CheckpointMismatchError(f"{hf_dir}: shard {fname} named in the index is missing")
             f = self._files[fname] = SafetensorsFile(path)
+            self._headers[fname] = f.header()
             for k in f.keys():
                 if k in owner:
                     raise CheckpointMismatchError(f"{hf_dir}: duplicate tensor name {k!r} in {owner[k]} and {fname}")
@@ -182,7 +184,7 @@ class HFCheckpointReader:
         files = self._files  # (close() swaps the dict; never mutate a dict another thread may be reading)
         f = files.get(fname)
         if f is None:  # reopened after close()
-            f = files[fname] = SafetensorsFile(os.path.join(self.hf_dir, fname))
+            f = files[fname] = SafetensorsFile(os.path.join(self.hf_dir, fname), header=self._headers.get(fname))
         return f
 
     def shape(self, key: str):
@@ -195,24 +197,28 @@ class HFCheckpointReader:
         """The stored tensor (a view of the file's private mapping)."""
         return self._file(key).get(key)
 
-    def get(self, key: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def get(self, key: str, dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The tensor as the model should see it: FP8 weights dequantised (to ``dtype`` or bf16) with checked
-        scales; values checked finite; integer dtypes refused."""
+        scales; values checked finite; integer dtypes refused. ``out``: where an FP8 weight is dequantised to (a
+        contiguous tensor of its shape and the output dtype; unused for other tensors, which are returned as views
+        of the file)."""
         t = self.raw(key)
         if t.dtype == FP8_DTYPE:
             scale = self.raw(key + SCALE_SUFFIX)
             out_dtype = dtype or torch.bfloat16
-            if not all_finite(scale) or not bool((scale > 0).all()):
+            lo, hi = (float(v) for v in torch.aminmax(scale)) if scale.numel() else (1.0, 1.0)  # NaN propagates
+            if not (lo > 0 and hi < math.inf):
                 raise CheckpointMismatchError(f"{key + SCALE_SUFFIX}: FP8 scales must be positive and finite "
                                               f"(found {_worst(scale)})")
             nan = fp8_nan_count(t)
             if nan:
                 raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation ({nan} NaN codes)")
-            if float(scale.max()) * FP8_MAX >= torch.finfo(out_dtype).max:
-                raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation (scale {float(scale.max())} "
-                                              f"overflows {out_dtype})")
+            if hi * FP8_MAX >= torch.finfo(out_dtype).max:
+                raise CheckpointMismatchError(f"{key}: NaN/inf after FP8 dequantisation (scale {hi} overflows "
+                                              f"{out_dtype})")
             # e4m3 codes are finite and at most FP8_MAX: with these scales every product is finite
-            return dequantize_fp8_blockwise(t, scale, out_dtype=out_dtype, block_size=self.block_size)
+            return dequantize_fp8_blockwise(t, scale, out_dtype=out_dtype, block_size=self.block_size, out=out,
+                                            checked=hi < 2.0 ** 7 and t.numel() > 0)
         if t.dtype not in FLOAT_DTYPES:
             raise CheckpointMismatchError(f"{key}: stored as {DTYPE_NAMES[t.dtype]}; a floating-point tensor is "
                                           "expected")

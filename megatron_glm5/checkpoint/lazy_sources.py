@@ -9,24 +9,32 @@ which produces the real shard when the writer reaches it::
       -> [gate; up] fused on dim 0 -> cast -> ShardedTensorFactory.build_fn where there is one -> the shard
 
 ``produce`` is thread-safe: several writer threads produce (read, dequantise, check, cast) and write concurrently;
-the full tensor of a fused pair is kept only until both halves are produced. A source may instead carry ``fresh``
-data (``--mtp-init``: a newly initialised MTP layer).
+the full tensor of a fused pair is kept only until both halves are produced. A dequantised tensor that is not
+shared between threads is written into an output buffer of the calling thread, reused by that thread's next
+``produce`` call for a tensor of the same shape (fresh allocations of multi-MB tensors cost page faults, as much
+CPU time as the dequantisation): a writer must be done with a produced tensor before it asks for the next one. A
+source may instead carry ``fresh`` data (``--mtp-init``: a newly initialised MTP layer).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_glm5.checkpoint.fp8 import FP8_DTYPE
 from megatron_glm5.checkpoint.hf_io import CheckpointMismatchError, HFCheckpointReader
 from megatron_glm5.checkpoint.hf_keys import canonical_name, is_non_persistent, mcore_to_hf
 from megatron_glm5.checkpoint.safetensors_io import nbytes
 
 # drop the reader's file mappings (their pages count as resident memory) after this many bytes were produced
 _REMAP_BYTES = 256 * 2 ** 20
+# output buffers kept per writer thread (bytes in all, and the largest tensor that gets one)
+_SCRATCH_BYTES = 64 * 2 ** 20
+_SCRATCH_MAX_TENSOR = 32 * 2 ** 20
 
 
 @dataclass
@@ -61,6 +69,29 @@ def model_sources(model: torch.nn.Module, dtype: torch.dtype) -> Dict[str, Tenso
     return out
 
 
+class _Scratch(threading.local):
+    """One writer thread's exact-size output buffers by (shape, dtype), least recently used dropped first. Exact
+    size: the writer saves a tensor's whole storage."""
+
+    def __init__(self):
+        self.bufs: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+        self.bytes = 0
+
+    def take(self, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        n = nbytes(shape, dtype)
+        if n > _SCRATCH_MAX_TENSOR or n == 0:
+            return None
+        key = (tuple(shape), dtype)
+        t = self.bufs.pop(key, None)
+        if t is None:
+            t = torch.empty(tuple(shape), dtype=dtype)
+            self.bytes += n
+            while self.bytes > _SCRATCH_BYTES and self.bufs:
+                self.bytes -= self.bufs.popitem(last=False)[1].nbytes
+        self.bufs[key] = t
+        return t
+
+
 class LazyTensors:
     """(sharded key, global offset) -> the shard's data, produced on demand (thread-safe) from the HF checkpoint."""
 
@@ -73,6 +104,7 @@ class LazyTensors:
         self._lock = threading.Lock()
         self._direct: Dict[str, bool] = {}  # fused sources whose factory shards are exactly their HF parts
         self._bytes_since_remap = 0
+        self._scratch = _Scratch()
         self.hf_reads = 0
 
     def register(self, sh_ten, source: TensorSource, factory=None, index: int = 0) -> None:
@@ -85,11 +117,19 @@ class LazyTensors:
         if factory is not None and source.local not in self._direct:
             self._direct[source.local] = _parts_are_shards(source, factory)
 
-    def _read(self, s: TensorSource) -> torch.Tensor:
+    def _get(self, key: str, dtype: torch.dtype, own_buffer: bool) -> torch.Tensor:
+        """HF tensor ``key`` as ``dtype``; an FP8 weight dequantised into this thread's buffer when ``own_buffer``
+        (the caller hands the result to its own writer only)."""
+        out = None
+        if own_buffer and self.reader.dtype(key) == FP8_DTYPE:
+            out = self._scratch.take(self.reader.shape(key), dtype)
+        return self.reader.get(key, dtype=dtype, out=out).to(dtype)
+
+    def _read(self, s: TensorSource, own_buffer: bool = False) -> torch.Tensor:
         if s.fresh is not None:
             full = s.fresh
         else:
-            parts = [self.reader.get(k, dtype=s.dtype) for k in s.hf_keys]
+            parts = [self._get(k, s.dtype, own_buffer and len(s.hf_keys) == 1) for k in s.hf_keys]
             full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             del parts
         full = full.to(s.dtype)
@@ -108,14 +148,15 @@ class LazyTensors:
         with self._locks[s.local]:  # the first half of a fused pair reads; the second finds it cached
             full = self._cache.get(s.local)
             if full is None:
-                full = self._read(s)
-                if self._remaining[s.local] > 1:
+                shared = self._remaining[s.local] > 1
+                full = self._read(s, own_buffer=not shared)
+                if shared:
                     self._cache[s.local] = full
             return full
 
     def _part(self, s: TensorSource, index: int) -> torch.Tensor:
         """HF part ``index`` of a fused source on its own (no [gate; up] concatenation, no copy of a half)."""
-        t = self.reader.get(s.hf_keys[index], dtype=s.dtype).to(s.dtype)
+        t = self._get(s.hf_keys[index], s.dtype, own_buffer=True)
         with self._lock:
             self.hf_reads += 1
             self._bytes_since_remap += t.nbytes

@@ -120,18 +120,30 @@ def parse_header(path: str, fh, size: int) -> Tuple[Dict[str, TensorInfo], Dict[
 
 
 class SafetensorsFile:
-    """One safetensors file: validated header at open, tensors as views of a private mmap."""
+    """One safetensors file: validated header at open, tensors as views of a private mmap.
 
-    def __init__(self, path: str):
+    ``header``: the :meth:`header` of an earlier opening of the same path, reused (not parsed again) when the file
+    is still the same one (device, inode, size, modification time)."""
+
+    def __init__(self, path: str, header: Optional[tuple] = None):
         self.path = path
         try:
             fh = open(path, "rb")
         except OSError as e:
             raise SafetensorsError(f"{path}: cannot open ({e.strerror or e})") from None
         with fh:
-            size = os.fstat(fh.fileno()).st_size
-            self.tensors, self.metadata = parse_header(path, fh, size)
+            st = os.fstat(fh.fileno())
+            size = st.st_size
+            self._identity = (st.st_dev, st.st_ino, size, st.st_mtime_ns)
+            if header is not None and header[0] == self._identity:
+                self.tensors, self.metadata = header[1], header[2]
+            else:
+                self.tensors, self.metadata = parse_header(path, fh, size)
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+
+    def header(self) -> tuple:
+        """(file identity, tensors, metadata): reopen with ``SafetensorsFile(path, header=...)`` without parsing."""
+        return self._identity, self.tensors, self.metadata
 
     def keys(self) -> List[str]:
         return list(self.tensors)

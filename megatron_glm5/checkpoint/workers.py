@@ -117,4 +117,6 @@ def run_workers(workers: int, hf_dir: str, out_dir: str, dtype_name: str, on_byt
     for s in stats.values():
         digests.update(s["digests"])
     return {"bytes": sum(s["bytes"] for s in stats.values()), "hf_reads": sum(s["hf_reads"] for s in stats.values()),
-            "total_bytes": stats[0]["total_bytes"], "digests": digests}
+            "total_bytes": stats[0]["total_bytes"], "digests": digests,
+            "write_span": (min(s["write_span"][0] for s in stats.values()),
+                           max(s["write_span"][1] for s in stats.values()))}
