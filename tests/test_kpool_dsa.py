@@ -16,7 +16,7 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttenti
 from megatron_glm5.config import Glm5Config, tiny_hf_config
 from megatron_glm5.models import kpool_dsa
 from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
-from megatron_glm5.models.kpool_indexer import KPoolIndexer
+from megatron_glm5.models.kpool_indexer import KPoolIndexer, topk_first_on_ties, topk_first_on_ties_reference
 from megatron_glm5.models.packing import make_packed_seq_params
 from megatron.core.transformer.spec_utils import build_module
 
@@ -253,6 +253,26 @@ def test_shared_layer_matches_hf_prev_topk(mcore, backend):
     (ref * g).sum().backward()
     worst = _grads_check(shared, hf_shared, x_ours, x_hf)
     print(f"[shared {backend}] fwd rel err {err:.2e}, worst grad rel L2 {worst:.2e}")
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_topk_first_on_ties_matches_stable_sort(device):
+    """The indexer's pool top-k gives equal scores to the lower index, as a stable descending sort does, on fresh
+    random rows full of exact ties (0.0 next to -0.0, rounded values, the finfo.min of masked candidates); and a
+    candidate range cut in two picks the same pools (the CP / chunking case where torch.topk alone differed)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    low = torch.finfo(torch.float32).min
+    for _ in range(100):
+        n = int(torch.randint(1, 50, (1,), generator=g))
+        k = int(torch.randint(1, n + 1, (1,), generator=g))
+        x = torch.randn(2, 7, n, generator=g)
+        for p, value in ((0.4, 0.0), (0.1, -0.0), (0.2, low)):
+            x = torch.where(torch.rand(x.shape, generator=g) < p, torch.full_like(x, value), x)
+        x = torch.where(torch.rand(x.shape, generator=g) < 0.2, x.round(), x).to(device)
+        assert torch.equal(topk_first_on_ties(x, k), topk_first_on_ties_reference(x, k))
+        cut = int(torch.randint(1, n + 1, (1,), generator=g))   # a wider candidate range: extra masked candidates
+        wider = torch.cat([x, torch.full_like(x[..., :cut], low)], dim=-1)
+        assert torch.equal(topk_first_on_ties(wider, k).sort(-1).values, topk_first_on_ties(x, k).sort(-1).values)
 
 
 def test_parameters_and_sharded_state_dict(mcore):

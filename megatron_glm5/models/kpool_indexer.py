@@ -74,6 +74,26 @@ def kpool_pool_layout(cu_seqlens: torch.Tensor, kpool: int) -> Tuple[torch.Tenso
     return pool_tokens, pool_doc
 
 
+def topk_first_on_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest of ``scores`` ``[..., n]`` (float32) along the last dim, equal scores going to
+    the lower index: the order a stable descending sort gives (:func:`topk_first_on_ties_reference`), at the cost of
+    one ``topk``. ``torch.topk`` alone breaks ties by its own layout, so the pools chosen among equal scores would
+    depend on how the candidates were chunked (CP ranks, score chunks).
+
+    Each score becomes one int64 key: its float bits made monotonic (``-0.0`` counted as ``+0.0``) in the high 32
+    bits, ``n - 1 - index`` in the low ones; keys are distinct and order like (score, -index)."""
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32)                   # + 0.0: -0.0 -> +0.0
+    monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # signed order of the floats (not NaN)
+    rank_in_ties = n - 1 - torch.arange(n, device=scores.device, dtype=torch.int64)
+    return ((monotonic << 32) | rank_in_ties).topk(k, dim=-1).indices
+
+
+def topk_first_on_ties_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain PyTorch reference of :func:`topk_first_on_ties`: a stable descending sort."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def kpool_tail_indices(cu_seqlens: torch.Tensor, seq_len: int, kpool: int) -> torch.Tensor:
     """The query's own incomplete pool, as row positions.
 
@@ -204,9 +224,9 @@ class KPoolIndexer(MegatronModule):
             index_scores = torch.matmul(weights[:, a:e].unsqueeze(-2), scores).squeeze(-2)   # [b, c, p]
             index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
             k = min(max_select, hi - lo)
-            # equal scores (ReLU zeros are common) go to the earlier pool: a stable sort, unlike topk, picks the
-            # same pools however the queries are chunked or cut over CP ranks (the candidate range differs)
-            selected = index_scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]   # [b, c, k]
+            # equal scores (ReLU zeros are common) go to the earlier pool, so the same pools are picked however the
+            # queries are chunked or cut over CP ranks (the candidate range differs)
+            selected = topk_first_on_ties(index_scores, k)                         # [b, c, k]
             selected_valid = valid.expand(b, -1, -1).gather(-1, selected)          # [b, c, k]
             tokens = pool_tokens[lo + selected]                                    # [b, c, k, kp]
             tokens = tokens.masked_fill(~selected_valid[..., None], -1).flatten(-2)
