@@ -146,14 +146,7 @@ def _reference(workdir, data, variant: str, flags, optimizer: str = "sgd"):
     return _REFERENCE[key]
 
 
-# layouts not yet seen matching one rank through pretrain_glm5_vlm.py: still run (a pass shows as XPASS), listed in
-# the open parallelism issue
-TRAINING_XFAILS = {}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=TRAINING_XFAILS[n], strict=False))
-                                  if n in TRAINING_XFAILS else n for n in LAYOUTS])
-def test_parallel(name, workdir, data, mcore):
+def _check_layout(name, workdir, data):
     nproc, flags, variant = LAYOUTS[name]
     optimizer = _optimizer(flags)
     ref_losses, ref_weights = _reference(workdir, data, variant, flags, optimizer)
@@ -168,6 +161,19 @@ def test_parallel(name, workdir, data, mcore):
     worst, key, per_tensor = compare(ref_weights, weights)
     assert worst <= RTOL, (key, per_tensor[key])
     assert max(v[0] for v in per_tensor.values()) <= 1e-3
+
+
+def _layout_test(name: str):
+    def test(workdir, data, mcore):
+        _check_layout(name, workdir, data)
+
+    test.__name__ = test.__qualname__ = f"test_parallel_{name}"
+    test.__doc__ = f"{name}: {LAYOUTS[name][0]} ranks, {' '.join(LAYOUTS[name][1])}: the one-rank losses and weights."
+    return test
+
+
+for _name in LAYOUTS:  # test_parallel_tp2, test_parallel_tp2_sp, ... one named test per layout
+    globals()[f"test_parallel_{_name}"] = _layout_test(_name)
 
 
 def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_dp2(workdir, data, mcore):
