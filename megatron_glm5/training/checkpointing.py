@@ -177,6 +177,10 @@ def _load_optimizer_state(optimizer, loaded: dict) -> None:
         part_sd = loaded["own"][str(i)]
         dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, part_sd)
         merge(part_sd, loaded["tensors"][str(i)])
+        # megatron's non-distributed optimizers keep torch Adam's per-parameter step as one 'common_step' entry
+        per_param = part_sd.get("state", part_sd.get("optimizer", {}).get("state"))
+        if per_param:
+            per_param["common_step"] = torch.tensor(float(step))
         part.load_state_dict(part_sd)
         _set_optimizer_step(part, step)
 
