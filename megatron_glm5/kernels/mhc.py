@@ -227,6 +227,7 @@ def _np2(n: int, lo: int = 2) -> int:
 
 _PROJ_BT, _PROJ_BD = 32, 128
 _COL_BH = 1024
+_BWD_TILE_ELEMENTS = 4096  # register budget of the apply-output backward: column block x n x n stream products
 
 
 def _proj_fwd(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -347,7 +348,7 @@ class _ApplyOutputFunction(torch.autograd.Function):
         d_post = torch.empty(T, n, device=grad.device, dtype=torch.float32)
         d_comb = torch.empty(T, n, n, device=grad.device, dtype=torch.float32)
         np2 = _np2(n)
-        bh = max(16, 4096 // (np2 * np2))
+        bh = max(16, _BWD_TILE_ELEMENTS // (np2 * np2))
         _apply_bwd_kernel[(T,)](grad, block_out, streams, post, comb, d_y, d_s, d_post, d_comb, n, h, NP=np2,
                                 BH=bh, num_warps=4)
         return d_y, d_s, d_post.to(post.dtype), d_comb.to(comb.dtype)
