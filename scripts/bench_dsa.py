@@ -15,6 +15,24 @@ import sys
 
 
 
+def _time_indexer(indexer, x, psp, cfg, s: int, iters: int) -> None:
+    """The layer's indexer alone (it has no backward): fused Triton pool scores vs the PyTorch ops."""
+    import torch
+
+    from bench_train_step import cuda_time
+
+    q_resid = torch.randn(s, 1, cfg.q_lora_rank, device=x.device, dtype=x.dtype)
+    res = {}
+    for fused in (True, False):
+        if not fused and s > 16384:
+            continue
+        indexer.use_fused_scores = fused
+        res[fused] = cuda_time(lambda: indexer(x.detach(), q_resid, packed_seq_params=psp), iters)
+    indexer.use_fused_scores = True
+    torch_ms = f"{res[False]:8.1f} ms" if False in res else "       -"
+    print(f"    indexer alone seq={s:6d}: fused scores {res[True]:8.1f} ms | PyTorch scores {torch_ms}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", default="4096,16384,32768,65536")
@@ -74,6 +92,8 @@ def main(argv=None) -> int:
                         times.append(ms)
                 peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else float("nan")
                 print(f"dsa backend={backend:6s} seq={s:6d}: fwd+bwd {min(times):8.1f} ms  peak {peak:6.1f} GiB")
+                if dev == "cuda" and getattr(layer, "indexer", None) is not None:
+                    _time_indexer(layer.indexer, x, psp, cfg, s, a.iters)
             except torch.OutOfMemoryError:
                 print(f"dsa backend={backend:6s} seq={s:6d}: OOM")
             x.grad = None

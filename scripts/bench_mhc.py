@@ -77,6 +77,14 @@ def main(argv=None) -> int:
         for name, (fn, nbytes) in kernels.items():
             t = cuda_time(fn, a.iters)
             print(f"s={s:6d}   {name:32s} {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s", flush=True)
+        default_columns = K.APPLY_BWD_COLUMNS
+        for columns in (0, 512, 1024, 2048):  # columns per program of the apply-output backward (0: whole row)
+            K.APPLY_BWD_COLUMNS = columns
+            fn, nbytes = kernels["apply fwd+bwd"]
+            t = cuda_time(fn, a.iters)
+            print(f"s={s:6d}   apply fwd+bwd, bwd columns {columns:5d}  {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s",
+                  flush=True)
+        K.APPLY_BWD_COLUMNS = default_columns
     return 0
 
 

@@ -275,6 +275,53 @@ def test_topk_first_on_ties_matches_stable_sort(device):
         assert torch.equal(topk_first_on_ties(wider, k).sort(-1).values, topk_first_on_ties(x, k).sort(-1).values)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,c,H,D,p,qdtype", [(1, 333, 32, 128, 517, torch.bfloat16), (2, 70, 3, 100, 65, torch.float32),
+                                               (1, 1, 5, 8, 1, torch.float32)])
+def test_fused_indexer_scores_match_reference_gpu(b, c, H, D, p, qdtype):
+    """The Triton pool scores (kernels/indexer_scores.py) against the PyTorch ops on fresh random inputs with ragged
+    sizes (query rows strided as the indexer slices them, D and H not powers of two, single query / pool), to 2e-6
+    of the largest score (tf32x3 products, another summation order); exact zeros where every head's ReLU is 0."""
+    pytest.importorskip("triton")
+    from megatron_glm5.kernels.indexer_scores import indexer_scores, indexer_scores_reference
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    q = torch.randn(b, c + 3, H, D, generator=g).to(qdtype).cuda()[:, 3:]
+    keys = torch.randn(b, p, D, generator=g).cuda()
+    w = torch.randn(b, c, H, generator=g).cuda()
+    keys[:, : p // 3] = -keys[:, : p // 3].abs()   # pools with all-negative products for positive queries
+    q[0, 0] = q[0, 0].abs()
+    got = indexer_scores(q, keys, w, D ** -0.5)
+    ref = indexer_scores_reference(q, keys, w, D ** -0.5)
+    assert got.shape == ref.shape == (b, c, p) and got.dtype == torch.float32
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 2e-6
+    zero = ref[0, 0] == 0
+    assert torch.equal(got[0, 0][zero], ref[0, 0][zero])
+
+
+@pytest.mark.gpu
+def test_fused_indexer_selects_as_reference_gpu(mcore, monkeypatch):
+    """The indexer module on CUDA, fused scores vs its PyTorch scores, on a packed row of several documents with the
+    always-selected tails: the same positions for every query (the scores agree to ~1e-7; random ties would need a
+    margin below that)."""
+    pytest.importorskip("triton")
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    cfg, _ = _configs(**{**MAIN, "index_topk": 16})
+    ix = KPoolIndexer(cfg)
+    _randomize_indexer(ix, antithetic=True)
+    ix = ix.cuda()
+    lens = [157, 3, 400, 91]
+    cu, _ = _doc_bounds(lens)
+    s = int(cu[-1])
+    x = torch.randn(s, 1, cfg.hidden_size, device="cuda")
+    qr = torch.randn(s, 1, cfg.q_lora_rank, device="cuda")
+    psp = make_packed_seq_params(cu.cuda())
+    fused = ix(x, qr, packed_seq_params=psp)
+    monkeypatch.setattr(KPoolIndexer, "use_fused_scores", False)
+    ref = ix(x, qr, packed_seq_params=psp)
+    assert all(_sets(fused[0, i]) == _sets(ref[0, i]) for i in range(s))
+
+
 def test_parameters_and_sharded_state_dict(mcore):
     cfg, _ = _configs()
     m = _build(cfg, layer_number=2)

@@ -191,10 +191,14 @@ if HAVE_TRITON:
         tl.store(OUT + (t * N + i[:, None]) * H + k[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _apply_bwd_kernel(G, Y, S, POST, COMB, DY, DS, DPOST, DCOMB, N, H, NP: tl.constexpr, BH: tl.constexpr):
-        """One token: ``DY = sum_j POST_j G_j``, ``DS_i = sum_j COMB_ij G_j``, ``DPOST_j = <G_j, Y>``,
-        ``DCOMB_ij = <S_i, G_j>``."""
+    def _apply_bwd_kernel(G, Y, S, POST, COMB, DY, DS, DPOST, DCOMB, N, H, SPLIT, NP: tl.constexpr,
+                          BH: tl.constexpr):
+        """One token, columns ``[SPLIT * program_id(1), + SPLIT)``: ``DY = sum_j POST_j G_j``, ``DS_i = sum_j
+        COMB_ij G_j``, and this column range's partial ``DPOST_j = <G_j, Y>``, ``DCOMB_ij = <S_i, G_j>``
+        (``DPOST [T, splits, N]``, ``DCOMB [T, splits, N, N]``, summed over the splits by the caller)."""
         t = tl.program_id(0).to(tl.int64)
+        sp = tl.program_id(1)
+        ts = t * tl.num_programs(1) + sp
         i = tl.arange(0, NP)
         nmask = i < N
         comb = tl.load(COMB + t * N * N + i[:, None] * N + i[None, :], mask=nmask[:, None] & nmask[None, :],
@@ -202,7 +206,7 @@ if HAVE_TRITON:
         post = tl.load(POST + t * N + i, mask=nmask, other=0.0)
         acc_post = tl.zeros([NP, BH], dtype=tl.float32)
         acc_comb = tl.zeros([NP, NP, BH], dtype=tl.float32)
-        for k0 in range(0, H, BH):
+        for k0 in range(sp * SPLIT, tl.minimum(sp * SPLIT + SPLIT, H), BH):
             k = k0 + tl.arange(0, BH)
             kmask = k < H
             mask = nmask[:, None] & kmask[None, :]
@@ -216,8 +220,8 @@ if HAVE_TRITON:
             tl.store(DS + offs, ds.to(DS.dtype.element_ty), mask=mask)
             acc_post += g * y[None, :]
             acc_comb += s[:, None, :] * g[None, :, :]
-        tl.store(DPOST + t * N + i, tl.sum(acc_post, axis=1), mask=nmask)
-        tl.store(DCOMB + t * N * N + i[:, None] * N + i[None, :], tl.sum(acc_comb, axis=2),
+        tl.store(DPOST + ts * N + i, tl.sum(acc_post, axis=1), mask=nmask)
+        tl.store(DCOMB + ts * N * N + i[:, None] * N + i[None, :], tl.sum(acc_comb, axis=2),
                  mask=nmask[:, None] & nmask[None, :])
 
 
@@ -228,6 +232,9 @@ def _np2(n: int, lo: int = 2) -> int:
 _PROJ_BT, _PROJ_BD = 32, 128
 _COL_BH = 1024
 _BWD_TILE_ELEMENTS = 4096  # register budget of the apply-output backward: column block x n x n stream products
+# Columns per program of the apply-output backward (0: one program walks a token's whole row). Several programs per
+# token give more loads in flight; their partial d_post / d_comb are summed after.
+APPLY_BWD_COLUMNS = 1024
 
 
 def _proj_fwd(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -345,12 +352,15 @@ class _ApplyOutputFunction(torch.autograd.Function):
         grad = grad.contiguous()
         d_y = torch.empty_like(block_out)
         d_s = torch.empty_like(streams)
-        d_post = torch.empty(T, n, device=grad.device, dtype=torch.float32)
-        d_comb = torch.empty(T, n, n, device=grad.device, dtype=torch.float32)
         np2 = _np2(n)
         bh = max(16, _BWD_TILE_ELEMENTS // (np2 * np2))
-        _apply_bwd_kernel[(T,)](grad, block_out, streams, post, comb, d_y, d_s, d_post, d_comb, n, h, NP=np2,
-                                BH=bh, num_warps=4)
+        split = h if APPLY_BWD_COLUMNS <= 0 else bh * max(1, APPLY_BWD_COLUMNS // bh)
+        n_sp = triton.cdiv(h, split)
+        d_post = torch.empty(T, n_sp, n, device=grad.device, dtype=torch.float32)
+        d_comb = torch.empty(T, n_sp, n, n, device=grad.device, dtype=torch.float32)
+        _apply_bwd_kernel[(T, n_sp)](grad, block_out, streams, post, comb, d_y, d_s, d_post, d_comb, n, h, split,
+                                     NP=np2, BH=bh, num_warps=4)
+        d_post, d_comb = (d_post[:, 0], d_comb[:, 0]) if n_sp == 1 else (d_post.sum(1), d_comb.sum(1))
         return d_y, d_s, d_post.to(post.dtype), d_comb.to(comb.dtype)
 
 

@@ -43,6 +43,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_glm5.kernels import indexer_scores
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence, sequence_layout
 from megatron_glm5.models.linear import ReplicatedLinear
 from megatron_glm5.models.packing import document_ids, document_starts
@@ -120,8 +121,11 @@ class KPoolIndexer(MegatronModule):
     fp32, ``keep_fp32 = True``), ``index_kpool_compress_gate [D, hidden]``.
     """
 
-    # Upper bound on the elements of the per-chunk [b, chunk, H, n_pools] score tensor.
+    # Upper bound on the elements of the per-chunk score tensor ([b, chunk, H, n_pools] in PyTorch, [b, chunk,
+    # n_pools] fused).
     score_chunk_elements: int = 1 << 25
+    # On CUDA the pool scores are one Triton kernel (megatron_glm5/kernels/indexer_scores.py); False: PyTorch ops.
+    use_fused_scores: bool = True
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None):
@@ -202,12 +206,14 @@ class KPoolIndexer(MegatronModule):
         pool_tokens, pool_doc = kpool_pool_layout(cu, kp)                          # [P, kp], [P]
         n_pools = pool_doc.numel()
         pool_end = pool_tokens[:, -1].contiguous()                                 # [P]
-        pool_keys_t = self.pooled_keys(keys, gates, pool_tokens).float().transpose(-1, -2).unsqueeze(1)  # [b,1,D,P]
+        pool_keys = self.pooled_keys(keys, gates, pool_tokens).float()                # [b, P, D]
         doc = document_ids(cu, S)[off:off + s]                                     # [s]
 
         pool_part = torch.full((b, s, self.index_topk), -1, dtype=torch.long, device=device)
         max_select = self.index_topk // kp
-        chunk = max(16, self.score_chunk_elements // max(1, b * H * n_pools))
+        fused = self.use_fused_scores and q.is_cuda and indexer_scores.HAVE_TRITON
+        # the PyTorch scores hold [b, chunk, H, p] per-head values; the fused kernel writes only [b, chunk, p]
+        chunk = max(16, self.score_chunk_elements // max(1, b * n_pools * (1 if fused else H)))
         for a in range(0, s, chunk):
             e = min(s, a + chunk)
             # Candidate pools of this chunk form one contiguous range: from the first pool of the chunk's first
@@ -219,9 +225,8 @@ class KPoolIndexer(MegatronModule):
                 continue
             pos = torch.arange(off + a, off + e, device=device)
             valid = (pool_doc[None, lo:hi] == doc[a:e, None]) & (pool_end[None, lo:hi] <= pos[:, None])  # [c, p]
-            scores = torch.matmul(q[:, a:e].float(), pool_keys_t[..., lo:hi])       # [b, c, H, p]
-            scores = F.relu(scores * self.softmax_scale)
-            index_scores = torch.matmul(weights[:, a:e].unsqueeze(-2), scores).squeeze(-2)   # [b, c, p]
+            score_fn = indexer_scores.indexer_scores if fused else indexer_scores.indexer_scores_reference
+            index_scores = score_fn(q[:, a:e], pool_keys[:, lo:hi], weights[:, a:e], self.softmax_scale)  # [b,c,p]
             index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
             k = min(max_select, hi - lo)
             # equal scores (ReLU zeros are common) go to the earlier pool, so the same pools are picked however the
