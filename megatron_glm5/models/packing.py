@@ -12,15 +12,27 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 
+_CHECKED_ATTR = "_glm5_checked_row"
+
+
 def row_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], seq_len: int, device) -> torch.Tensor:
-    """cu_seqlens (int32, [n_docs + 1]) of one row of length ``seq_len``; ``[0, seq_len]`` without packing."""
+    """cu_seqlens (int32, [n_docs + 1]) of one row of length ``seq_len``; ``[0, seq_len]`` without packing.
+
+    The boundaries are checked once per ``PackedSeqParams`` (the check reads values, a host sync on CUDA): the checked
+    tensor is remembered on it, with the ``cu_seqlens_q`` object and the length it was checked for, and returned as
+    long as those stay the same (every layer of a step asks)."""
     if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
         return torch.tensor([0, seq_len], dtype=torch.int32, device=device)
-    cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
+    src = packed_seq_params.cu_seqlens_q
+    checked = getattr(packed_seq_params, _CHECKED_ATTR, None)
+    if checked is not None and checked[0] is src and checked[1] == seq_len and checked[2].device == torch.device(device):
+        return checked[2]
+    cu = src.to(device=device, dtype=torch.int32)
     if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != seq_len:
         raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_len}, got {cu.tolist()}")
     if bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+    setattr(packed_seq_params, _CHECKED_ATTR, (src, seq_len, cu))
     return cu
 
 
