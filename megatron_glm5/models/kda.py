@@ -44,7 +44,7 @@ from megatron.core.transformer.utils import (
 from megatron_glm5.models.linear import linear_output
 from megatron_glm5.models.params import param_device
 from megatron_glm5.config import Glm5Config
-from megatron_glm5.models.packing import document_starts, row_cu_seqlens
+from megatron_glm5.models.packing import document_starts, row_boundaries, row_cu_seqlens
 from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout
 
 __all__ = [
@@ -66,15 +66,16 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
-def _flat_cu_seqlens(cu_seqlens: Optional[torch.Tensor], b: int, s: int) -> List[int]:
+def _flat_cu_seqlens(cu_seqlens: Optional[Union[torch.Tensor, List[int]]], b: int, s: int) -> List[int]:
     """Document boundaries over the ``b * s`` flattened tokens (python ints, zero-length documents dropped).
 
-    ``cu_seqlens`` (over one row of length ``s``) applies to every batch row; ``None`` means one document per row.
+    ``cu_seqlens`` (over one row of length ``s``; a tensor or python ints) applies to every batch row; ``None`` means
+    one document per row.
     """
     if cu_seqlens is None:
         row = [0, s]
     else:
-        row = [int(x) for x in cu_seqlens.tolist()]
+        row = [int(x) for x in (cu_seqlens if isinstance(cu_seqlens, list) else cu_seqlens.tolist())]
         if len(row) < 2 or row[0] != 0 or row[-1] != s or any(b_ < a for a, b_ in zip(row[:-1], row[1:])):
             raise ValueError(f"cu_seqlens must be non-decreasing from 0 to the row length {s}, got {row}")
     out = [0]
@@ -572,8 +573,7 @@ class KimiDeltaAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None:
             if b != 1:
                 raise ValueError(f"packed rows need batch size 1, got {b}")
-            cu_cpu = torch.tensor(_flat_cu_seqlens(row_cu_seqlens(packed_seq_params, s, x.device), 1, s),
-                                  dtype=torch.long)
+            cu_cpu = torch.tensor(_flat_cu_seqlens(row_boundaries(packed_seq_params, s), 1, s), dtype=torch.long)
             cu = cu_cpu.to(x.device, non_blocking=True)
 
         def batch_first(t):  # [s, b, c] -> [b, s, c] (a free view for b = 1)
