@@ -101,14 +101,15 @@ def test_large_records_left_to_torch_save(monkeypatch):
 
 
 def test_dcp_reader_loads_records(tmp_path):
-    """torch DCP's FileSystemReader loads a checkpoint whose records the converter's writer wrote, equal to the
-    checkpoint torch's own FileSystemWriter writes, byte for byte."""
+    """torch DCP's FileSystemReader loads a checkpoint whose records (tensors and objects) the converter's writer
+    wrote, equal to the checkpoint torch's own FileSystemWriter writes, byte for byte."""
     import torch.distributed.checkpoint as dcp
 
     from megatron_glm5.checkpoint import dcp_save
 
     sd = {"a": _tensor((64, 33), torch.bfloat16, 1), "b": _tensor((7,), torch.float32, 2),
-          "c": _tensor((3, 4, 5), torch.int64, 3), "d": _tensor((2, 2), torch.float8_e4m3fn, 4)}
+          "c": _tensor((3, 4, 5), torch.int64, 3), "d": _tensor((2, 2), torch.float8_e4m3fn, 4),
+          "e": "an object", "f": {"step": 3}}
 
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     writer = dcp_save._writer_cls()(str(ours), thread_count=2)
@@ -117,6 +118,8 @@ def test_dcp_reader_loads_records(tmp_path):
     for name in ("__0_0.distcp", "__0_1.distcp"):
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
         assert hashlib.sha256((ours / name).read_bytes()).hexdigest() == writer.digests[name]
-    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    got = {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in sd.items()}
+    got["f"] = {"step": None}
     dcp.load(got, storage_reader=dcp.FileSystemReader(str(ours)), no_dist=True)
-    assert all(torch.equal(got[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
+    assert all(torch.equal(got[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in "abcd")
+    assert got["e"] == "an object" and got["f"] == {"step": 3}

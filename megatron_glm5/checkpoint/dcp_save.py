@@ -114,6 +114,11 @@ def _writer_cls():
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
 
+    def _result(item, storage_key: str, offset: int, length: int):
+        """The WriteResult of a record written at ``offset`` (what _write_item returns without stream transforms)."""
+        return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset,
+                                                                                            length))
+
     class ParallelStreamWriter(FileSystemWriter):
         """torch's FileSystemWriter writing its ``thread_count`` files concurrently, each strictly one item at a
         time (the tensor dropped right after), hashing every file as it is written (``digests``)."""
@@ -130,8 +135,14 @@ def _writer_cls():
             with self.fs.create_stream(file_name, "wb") as raw:
                 stream = HashingFile(raw)
                 for item in [w for w in write_items if w.type == WriteItemType.BYTE_IO]:
-                    results.append(_write_item(self.transforms, stream, planner.resolve_data(item), item,
-                                               storage_key, self.serialization_format))
+                    data = planner.resolve_data(item)
+                    if direct:  # what _write_item writes for it: the bytes as they are
+                        offset = stream.tell()
+                        stream.write(data.getbuffer())
+                        results.append(_result(item, storage_key, offset, stream.tell() - offset))
+                    else:
+                        results.append(_write_item(self.transforms, stream, data, item, storage_key,
+                                                   self.serialization_format))
                 kicked = 0  # bytes of the file whose writeback has been started
                 for item in [w for w in write_items if w.type != WriteItemType.BYTE_IO]:
                     if self._abort.is_set():
@@ -141,9 +152,7 @@ def _writer_cls():
                         t = t.clone()
                     if direct and RECORDS.supports(t):
                         offset = stream.tell()
-                        length = RECORDS.write(stream, t)
-                        results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                                   storage_data=_StorageInfo(storage_key, offset, length)))
+                        results.append(_result(item, storage_key, offset, RECORDS.write(stream, t)))
                     else:
                         results.append(_write_item(self.transforms, stream, t, item, storage_key,
                                                    self.serialization_format))
