@@ -14,7 +14,8 @@
    codes (NaN codes excluded) with random positive block scales. Key names and shapes come from the shared key
    table (``hf_keys.mcore_to_hf`` over the meta-built model), the same table every loader uses.
 2. Runs the converter CLI in a child process, sampling the resident memory of its whole process tree, and prints
-   e.g. ``convert: 2.4 GB in 31 s = 79 MB/s, peak RSS 0.9 GB`` (wall time of the whole command, start-up included)
+   e.g. ``convert: 2.4 GB in 31 s = 79 MB/s ...`` (wall time of the whole command, start-up included, its CPU time
+   and peak RSS)
    and the converter's own figures: the whole conversion (validation, planning, writing, publishing) and its
    write phase alone (first tensor read to the last file synced), each as MB/s of FP8 input and GB/s of output
    (torch_dist bytes written: twice the FP8 bytes for bf16). An output of an earlier run in ``--dir`` is removed
@@ -174,7 +175,10 @@ def experts_for(size_gb: float, num_layers: int = 8, hidden: int = 1024, moe_int
 
 
 def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str, threads: int):
-    """Run the CLI; returns (wall seconds, peak RSS of its process tree in bytes, exit code)."""
+    """Run the CLI; returns (wall seconds, peak RSS of its process tree in bytes, exit code, CPU seconds (user,
+    sys) of its process tree)."""
+    import resource
+
     import psutil
 
     cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_mcore.py"), "--hf-dir", hf_dir, "--out",
@@ -183,6 +187,7 @@ def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str, threads: 
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     t0 = time.time()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, env=env)
     ps_proc = psutil.Process(proc.pid)
     peak = 0
@@ -199,7 +204,9 @@ def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str, threads: 
         except psutil.Error:
             pass
         time.sleep(0.05)
-    return time.time() - t0, peak, proc.returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # (the child and its reaped workers)
+    cpu = (after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime)
+    return time.time() - t0, peak, proc.returncode, cpu
 
 
 MARKER = ".bench_convert_scratch"
@@ -246,7 +253,7 @@ def main(argv=None) -> int:
                   f"{cfg['text_config']['num_hidden_layers']} layers, hidden {cfg['text_config']['hidden_size']}) ...")
             size = write_synthetic_checkpoint(hf_dir, cfg, a.shard_mb)
         shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's output: not deleted inside the timer
-        secs, peak, rc = run_converter(hf_dir, out_dir, a.workers, a.dtype, a.threads)
+        secs, peak, rc, cpu = run_converter(hf_dir, out_dir, a.workers, a.dtype, a.threads)
         if rc != 0:
             print(f"bench_convert: converter failed with exit code {rc}", file=sys.stderr)
             return 1
@@ -259,8 +266,8 @@ def main(argv=None) -> int:
               f"written; write phase {info['write_seconds']:.1f} s = {size / 1e6 / info['write_seconds']:.0f} MB/s "
               f"of FP8 input, {info['tensor_bytes'] / 1e9 / info['write_seconds']:.2f} GB/s written")
         print(f"convert: {size / 1e9:.2f} GB in {secs:.1f} s = {size / 1e6 / secs:.0f} MB/s of FP8 input, "
-              f"{out_b / 1e9 / secs:.2f} GB/s written (whole command, start-up included), peak RSS "
-              f"{peak / 1e9:.2f} GB")
+              f"{out_b / 1e9 / secs:.2f} GB/s written (whole command, start-up included), CPU {cpu[0]:.1f} s user + "
+              f"{cpu[1]:.1f} s sys, peak RSS {peak / 1e9:.2f} GB")
     finally:
         if not a.keep:
             shutil.rmtree(a.dir, ignore_errors=True)
