@@ -1,19 +1,25 @@
 #!/usr/bin/env python
 """Throughput and peak memory of tools/convert_hf_to_mcore.py on a synthetic multi-GB FP8 checkpoint.
 
-    python scripts/bench_convert.py [--size-gb 2.2] [--layers 8] [--shard-mb 256] [--workers 1] [--threads 2]
-        [--dtype bf16] [--dir DIR] [--keep] [--reuse]
+    python scripts/bench_convert.py [--size-gb 2.2] [--layers 8] [--hidden 1024] [--moe-intermediate 512]
+        [--shard-mb 256] [--workers 1] [--threads 2] [--dtype bf16] [--dir DIR] [--keep] [--reuse]
 
 1. Writes a random GLM-5.3 checkpoint in the released layout (block-FP8 e4m3 + ``weight_scale_inv`` for DSA
    projections, dense MLPs and experts, fp32 islands, BF16 elsewhere; sharded safetensors + index) for a text-only
-   config with hidden 1024, ``--layers`` layers and as many routed experts as it takes to reach ``--size-gb``.
+   config with hidden ``--hidden`` (1024) and routed experts of ``--moe-intermediate`` (512) rows, ``--layers``
+   layers and as many routed experts as it takes to reach ``--size-gb`` (at least 8). The defaults make many small
+   tensors (0.5 MB of FP8 per expert matrix); the released model's are about 12 MB (``--hidden 6144
+   --moe-intermediate 2048``), which costs less Python per byte.
    Shards are generated in parallel threads, each streamed to disk tensor by tensor; FP8 weights are random e4m3
    codes (NaN codes excluded) with random positive block scales. Key names and shapes come from the shared key
    table (``hf_keys.mcore_to_hf`` over the meta-built model), the same table every loader uses.
 2. Runs the converter CLI in a child process, sampling the resident memory of its whole process tree, and prints
-   e.g. ``convert: 2.4 GB in 31 s = 79 MB/s, peak RSS 0.9 GB`` (wall time of the whole command, start-up included)
+   e.g. ``convert: 2.4 GB in 31 s = 79 MB/s ...`` (wall time of the whole command, start-up included, its CPU time
+   and peak RSS)
    and the converter's own figures: the whole conversion (validation, planning, writing, publishing) and its
-   write phase alone (first tensor read to the last file synced), each as MB/s of FP8 input.
+   write phase alone (first tensor read to the last file synced), each as MB/s of FP8 input and GB/s of output
+   (torch_dist bytes written: twice the FP8 bytes for bf16). An output of an earlier run in ``--dir`` is removed
+   before the converter starts (not inside its timer).
 
 ``--dir`` is a scratch folder the bench creates (a fresh temporary one by default); an existing folder is used only
 if an earlier run of the bench made it (``--reuse`` then keeps its synthetic checkpoint, ``--keep`` keeps it all).
@@ -34,12 +40,12 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench_hf_config(n_experts: int, num_layers: int = 8) -> dict:
+def bench_hf_config(n_experts: int, num_layers: int = 8, hidden: int = 1024, moe_intermediate: int = 512) -> dict:
     from megatron_glm5.config import tiny_hf_config
 
     cfg = tiny_hf_config(num_layers=num_layers, hc_mult=4, with_vision=False)
     cfg["text_config"].update(
-        vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+        vocab_size=32768, hidden_size=hidden, intermediate_size=2816, moe_intermediate_size=moe_intermediate,
         n_routed_experts=n_experts, num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16,
         qk_nope_head_dim=64, v_head_dim=64, q_lora_rank=384, kv_lora_rank=256, linear_num_heads=16,
         linear_head_dim=64, index_n_heads=8, index_head_dim=64, index_topk=64, index_kpool=4)
@@ -157,9 +163,9 @@ def write_synthetic_checkpoint(out_dir: str, hf_cfg: dict, shard_mb: float, seed
     return total
 
 
-def experts_for(size_gb: float, num_layers: int = 8) -> int:
+def experts_for(size_gb: float, num_layers: int = 8, hidden: int = 1024, moe_intermediate: int = 512) -> int:
     """Routed experts per MoE layer for a checkpoint of about ``size_gb``."""
-    base = bench_hf_config(8, num_layers)
+    base = bench_hf_config(8, num_layers, hidden, moe_intermediate)
     t = base["text_config"]
     per_expert = 3 * t["hidden_size"] * t["moe_intermediate_size"]  # FP8: one byte per weight
     moe_layers = sum(1 for x in t["mlp_layer_types"] if x == "sparse")
@@ -169,7 +175,10 @@ def experts_for(size_gb: float, num_layers: int = 8) -> int:
 
 
 def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str, threads: int):
-    """Run the CLI; returns (wall seconds, peak RSS of its process tree in bytes, exit code)."""
+    """Run the CLI; returns (wall seconds, peak RSS of its process tree in bytes, exit code, CPU seconds (user,
+    sys) of its process tree)."""
+    import resource
+
     import psutil
 
     cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_mcore.py"), "--hf-dir", hf_dir, "--out",
@@ -178,6 +187,7 @@ def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str, threads: 
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     t0 = time.time()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, env=env)
     ps_proc = psutil.Process(proc.pid)
     peak = 0
@@ -194,7 +204,9 @@ def run_converter(hf_dir: str, out_dir: str, workers: int, dtype: str, threads: 
         except psutil.Error:
             pass
         time.sleep(0.05)
-    return time.time() - t0, peak, proc.returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # (the child and its reaped workers)
+    cpu = (after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime)
+    return time.time() - t0, peak, proc.returncode, cpu
 
 
 MARKER = ".bench_convert_scratch"
@@ -206,6 +218,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=2.2, help="approximate source checkpoint size (default 2.2)")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024; the release: 6144)")
+    p.add_argument("--moe-intermediate", type=int, default=512,
+                   help="rows of each routed expert's gate/up matrix (default 512; the release: 2048)")
     p.add_argument("--shard-mb", type=float, default=256)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=2, help="writer threads per converter process (default 2)")
@@ -232,22 +247,27 @@ def main(argv=None) -> int:
             print(f"reusing the synthetic FP8 checkpoint in {hf_dir} ({size / 1e9:.2f} GB)")
         else:
             shutil.rmtree(hf_dir, ignore_errors=True)
-            cfg = bench_hf_config(experts_for(a.size_gb, a.layers), a.layers)
+            cfg = bench_hf_config(experts_for(a.size_gb, a.layers, a.hidden, a.moe_intermediate), a.layers,
+                                  a.hidden, a.moe_intermediate)
             print(f"writing a synthetic FP8 checkpoint ({cfg['text_config']['n_routed_experts']} experts x "
                   f"{cfg['text_config']['num_hidden_layers']} layers, hidden {cfg['text_config']['hidden_size']}) ...")
             size = write_synthetic_checkpoint(hf_dir, cfg, a.shard_mb)
-        secs, peak, rc = run_converter(hf_dir, out_dir, a.workers, a.dtype, a.threads)
+        shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's output: not deleted inside the timer
+        secs, peak, rc, cpu = run_converter(hf_dir, out_dir, a.workers, a.dtype, a.threads)
         if rc != 0:
             print(f"bench_convert: converter failed with exit code {rc}", file=sys.stderr)
             return 1
         with open(os.path.join(out_dir, "conversion_info.json")) as fh:
             info = json.load(fh)
-        print(f"output: {info['checkpoint_bytes'] / 1e9:.2f} GB torch_dist ({a.dtype}), {info['num_tensors']} tensors, "
+        out_b = info["checkpoint_bytes"]
+        print(f"output: {out_b / 1e9:.2f} GB torch_dist ({a.dtype}), {info['num_tensors']} tensors, "
               f"{a.workers} worker(s) x {a.threads} writer thread(s); converter's own timer {info['seconds']:.1f} s "
-              f"= {size / 1e6 / info['seconds']:.0f} MB/s of FP8 input; write phase {info['write_seconds']:.1f} s = "
-              f"{size / 1e6 / info['write_seconds']:.0f} MB/s of FP8 input")
-        print(f"convert: {size / 1e9:.2f} GB in {secs:.0f} s = {size / 1e6 / secs:.0f} MB/s, "
-              f"peak RSS {peak / 1e9:.2f} GB")
+              f"= {size / 1e6 / info['seconds']:.0f} MB/s of FP8 input, {out_b / 1e9 / info['seconds']:.2f} GB/s "
+              f"written; write phase {info['write_seconds']:.1f} s = {size / 1e6 / info['write_seconds']:.0f} MB/s "
+              f"of FP8 input, {info['tensor_bytes'] / 1e9 / info['write_seconds']:.2f} GB/s written")
+        print(f"convert: {size / 1e9:.2f} GB in {secs:.1f} s = {size / 1e6 / secs:.0f} MB/s of FP8 input, "
+              f"{out_b / 1e9 / secs:.2f} GB/s written (whole command, start-up included), CPU {cpu[0]:.1f} s user + "
+              f"{cpu[1]:.1f} s sys, peak RSS {peak / 1e9:.2f} GB")
     finally:
         if not a.keep:
             shutil.rmtree(a.dir, ignore_errors=True)

@@ -101,6 +101,25 @@ def test_all_finite_on_the_bit_pattern():
             assert not all_finite(y) and not all_finite(y[::1]), (dtype, bad)
 
 
+def test_all_finite_every_half_precision_pattern():
+    """Every NaN/inf bit pattern of bf16 and fp16 (any sign, any payload), at any lane of a vectorised reduction,
+    is found; a tensor of every finite pattern passes."""
+    from megatron_glm5.checkpoint.hf_io import all_finite
+
+    g = torch.Generator().manual_seed(2)
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    for dtype, exp in ((torch.bfloat16, 0x7F80), (torch.float16, 0x7C00)):
+        bad = every[(every.int() & exp) == exp]
+        assert all_finite(every[(every.int() & exp) != exp].view(dtype))
+        for n in (1, 33, 4099):
+            x = torch.randn(n, generator=g).to(dtype)
+            where = torch.randint(0, n, (len(bad),), generator=g)
+            for pattern, i in zip(bad.tolist(), where.tolist()):
+                y = x.clone()
+                y.view(torch.int16)[i] = pattern
+                assert not all_finite(y), (dtype, n, pattern, i)
+
+
 @pytest.mark.parametrize("shape", [(1100, 1024), (300, 200), (129, 4000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fast_path_into_out_and_checked(shape, dtype):

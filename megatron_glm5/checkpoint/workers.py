@@ -8,6 +8,7 @@ outcome come back over a queue; the first failure is re-raised in the parent as 
 
 from __future__ import annotations
 
+import gc
 import os
 import queue as queue_mod
 from typing import Dict, Optional
@@ -30,6 +31,10 @@ def _worker_entry(rank: int, world: int, port: int, hf_dir: str, out_dir: str, d
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world * threads)))
+    from megatron_glm5.lean_import import import_megatron_without_compile
+
+    if import_megatron_without_compile():  # (no model code runs here: 2 s less start-up per worker)
+        gc.freeze()  # the imported objects are never garbage: full collections skip them
     from megatron_glm5.checkpoint.dcp_save import save_streaming
     from megatron_glm5.checkpoint.hf_io import HFCheckpointReader
     from megatron_glm5.checkpoint.hf_to_mcore import DTYPES, conversion_sources

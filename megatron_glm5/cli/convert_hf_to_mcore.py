@@ -17,6 +17,7 @@ instead. Bad input prints one ``convert_hf_to_mcore: error: ...`` line and exits
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
@@ -53,6 +54,10 @@ def parser() -> OneLineArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     quiet_library_warnings()
+    from megatron_glm5.lean_import import import_megatron_without_compile
+
+    if import_megatron_without_compile():  # first (run_cli imports megatron): no model code runs, 2 s less start-up
+        gc.freeze()  # a fresh process: the imported objects are never garbage; full collections skip them (0.5 s)
 
     def body():
         from megatron_glm5.checkpoint.hf_to_mcore import convert_hf_to_mcore
