@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=2.2, help="approximate source checkpoint size (default 2.2)")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
-    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024; the release: 6144)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024; GLM-5.3-Flash: 4096)")
     p.add_argument("--moe-intermediate", type=int, default=512,
                    help="rows of each routed expert's gate/up matrix (default 512; the release: 2048)")
     p.add_argument("--shard-mb", type=float, default=256)
