@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = "cuda"
-    ckpt = write_checkpoint(os.path.join(a.out, "ckpt"), parity_config(a.hidden, a.layers), fmt="fp32", seed=0)
+    ckpt = write_checkpoint(os.path.join(a.out, "ckpt"), parity_config(a.hidden, a.layers), fmt="fp32", seed=0,
+                            overwrite=True)  # the script's own scratch checkpoint
     lens = [int(x) for x in a.docs.split(",")]
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(1, 4000, (n,), generator=g) for n in lens]

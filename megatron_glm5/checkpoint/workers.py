@@ -28,8 +28,10 @@ def _worker_entry(rank: int, world: int, port: int, hf_dir: str, out_dir: str, d
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    # the conversion is CPU work over a gloo group: GPUs stay hidden (a worker rank is no GPU index; with CUDA
+    # visible, rank 2 of 3 on a one-GPU machine asked for device 2 and failed)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world * threads)))
     from megatron_glm5.lean_import import import_megatron_without_compile
 
@@ -42,7 +44,7 @@ def _worker_entry(rank: int, world: int, port: int, hf_dir: str, out_dir: str, d
 
     code = 0
     try:
-        initialize_megatron()
+        initialize_megatron(backend="gloo")
         reader = HFCheckpointReader(hf_dir, verify_checksums=False)  # the parent verified them
         _, model, sources = conversion_sources(hf_dir, DTYPES[dtype_name], mtp, mtp_init)
         stats = save_streaming(model, sources, reader, out_dir, on_bytes=lambda n: q.put(("bytes", rank, n)),

@@ -233,8 +233,9 @@ _PROJ_BT, _PROJ_BD = 32, 128
 _COL_BH = 1024
 _BWD_TILE_ELEMENTS = 4096  # register budget of the apply-output backward: column block x n x n stream products
 # Columns per program of the apply-output backward (0: one program walks a token's whole row). Several programs per
-# token give more loads in flight; their partial d_post / d_comb are summed after.
-APPLY_BWD_COLUMNS = 1024
+# token give more loads in flight, their partial d_post / d_comb summed after; on the H200 (scripts/bench_mhc.py,
+# 2026-12-03) 512 / 1024 / 2048 columns were 1-10 % slower than the whole row at 4K and 16K tokens.
+APPLY_BWD_COLUMNS = 0
 
 
 def _proj_fwd(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
