@@ -18,11 +18,24 @@ instead. Bad input prints one ``convert_hf_to_mcore: error: ...`` line and exits
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
 
 PROG = "convert_hf_to_mcore"
+# Writer threads by default: one per CPU up to this many (16-core host, realistic tensors, output in memory: 4 / 8 / 16
+# threads wrote 845 / 1339 / 1455 MB/s of FP8 input; docs/performance.md).
+MAX_DEFAULT_THREADS = 16
+
+
+def default_writer_threads() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one), at most ``MAX_DEFAULT_THREADS``."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_THREADS, cpus))
 
 
 def parser() -> OneLineArgumentParser:
@@ -42,7 +55,9 @@ def parser() -> OneLineArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="dtype of the written tensors (fp32 islands stay fp32); default bf16")
     p.add_argument("--workers", type=int, default=1, help="conversion processes (default 1)")
-    p.add_argument("--threads", type=int, default=2, help="writer threads (files) per process (default 2)")
+    p.add_argument("--threads", type=int, default=default_writer_threads(),
+                   help="writer threads (files) per process (default: the CPU count, at most "
+                        f"{MAX_DEFAULT_THREADS}; here {default_writer_threads()})")
     p.add_argument("--mtp-init", action="store_true",
                    help="the checkpoint has no MTP weights but config.json declares MTP: write a freshly "
                         "initialised MTP layer (for training) instead of dropping it")
