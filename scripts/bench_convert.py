@@ -8,7 +8,7 @@
    projections, dense MLPs and experts, fp32 islands, BF16 elsewhere; sharded safetensors + index) for a text-only
    config with hidden ``--hidden`` (1024) and routed experts of ``--moe-intermediate`` (512) rows, ``--layers``
    layers and as many routed experts as it takes to reach ``--size-gb`` (at least 8). The defaults make many small
-   tensors (0.5 MB of FP8 per expert matrix); the released model's are about 12 MB (``--hidden 6144
+   tensors (0.5 MB of FP8 per expert matrix); GLM-5.3-Flash's are 8 MB (``--hidden 4096
    --moe-intermediate 2048``), which costs less Python per byte.
    Shards are generated in parallel threads, each streamed to disk tensor by tensor; FP8 weights are random e4m3
    codes (NaN codes excluded) with random positive block scales. Key names and shapes come from the shared key
