@@ -165,7 +165,10 @@ class HyperConnection(MegatronModule):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """HF's init: fn ~ N(0, 0.02), base = 0, scale = 1."""
+        """HF's init: fn ~ N(0, 0.02), base = 0, scale = 1 (nothing on the meta device: a meta ``normal_`` imports
+        torch's reference ops, about 1 s of a checkpoint converter's start)."""
+        if self.fn.is_meta:
+            return
         self.fn.normal_(mean=0.0, std=0.02)
         self.base.zero_()
         self.scale.fill_(1.0)
