@@ -40,6 +40,7 @@ import torch
 
 _ALIGN = 64  # torch.save's data alignment (checked against the probe's .storage_alignment record)
 _MAX_DATA = 0xFFFFFFFF - (1 << 20)  # records this large need zip64 fields: left to torch.save
+_MAX_CACHED_PREFIXES = 4096  # (dtype, shape) record prefixes kept; the cache starts over past this many
 _MASK64 = (1 << 64) - 1
 _LFH = struct.Struct("<IHHHHHIIIHH")        # local file header (crc and sizes zero: a data descriptor follows)
 _DD = struct.Struct("<IIII")                # data descriptor: signature, crc, compressed size, size
@@ -213,7 +214,7 @@ class TorchRecordWriter:
         entries.append((data_name, None, None, pos))
         out = (b"".join(parts), combined, entries)
         with self._lock:
-            if len(self._prefixes) > 4096:
+            if len(self._prefixes) > _MAX_CACHED_PREFIXES:
                 self._prefixes.clear()
             self._prefixes[key] = out
         return out

@@ -15,36 +15,40 @@ from megatron.core.packed_seq_params import PackedSeqParams
 _CHECKED_ATTR = "_glm5_checked_row"
 
 
-def _checked_row(packed_seq_params: PackedSeqParams, seq_len: int, device):
-    """``(cu_seqlens int32 tensor on device, the same as python ints)`` of a packed row, checked once per
+def _checked_row(packed_seq_params: PackedSeqParams, seq_len: int):
+    """``(boundaries as python ints, {device: int32 tensor})`` of a packed row, checked once per
     ``PackedSeqParams``: reading the values is a host sync on CUDA, and every layer of a step asks. The result is
     remembered on the params object with the ``cu_seqlens_q`` object and the length it was checked for."""
     src = packed_seq_params.cu_seqlens_q
     checked = getattr(packed_seq_params, _CHECKED_ATTR, None)
-    if checked is not None and checked[0] is src and checked[1] == seq_len and checked[2].device == torch.device(device):
+    if checked is not None and checked[0] is src and checked[1] == seq_len:
         return checked[2], checked[3]
-    cu = src.to(device=device, dtype=torch.int32)
-    row = [int(x) for x in cu.tolist()] if cu.dim() == 1 else []
+    row = [int(x) for x in src.tolist()] if src.dim() == 1 else []
     if len(row) < 2 or row[0] != 0 or row[-1] != seq_len:
-        raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_len}, got {cu.tolist()}")
+        raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_len}, got {src.tolist()}")
     if any(b < a for a, b in zip(row[:-1], row[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {row}")
-    setattr(packed_seq_params, _CHECKED_ATTR, (src, seq_len, cu, row))
-    return cu, row
+    on_device = {}
+    setattr(packed_seq_params, _CHECKED_ATTR, (src, seq_len, row, on_device))
+    return row, on_device
 
 
 def row_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], seq_len: int, device) -> torch.Tensor:
     """cu_seqlens (int32, [n_docs + 1]) of one row of length ``seq_len``; ``[0, seq_len]`` without packing."""
     if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
         return torch.tensor([0, seq_len], dtype=torch.int32, device=device)
-    return _checked_row(packed_seq_params, seq_len, device)[0]
+    _, on_device = _checked_row(packed_seq_params, seq_len)
+    device = torch.device(device)
+    if device not in on_device:
+        on_device[device] = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
+    return on_device[device]
 
 
 def row_boundaries(packed_seq_params: Optional[PackedSeqParams], seq_len: int) -> List[int]:
     """:func:`row_cu_seqlens` as python ints (no host sync after the first ask)."""
     if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
         return [0, seq_len]
-    return list(_checked_row(packed_seq_params, seq_len, packed_seq_params.cu_seqlens_q.device)[1])
+    return list(_checked_row(packed_seq_params, seq_len)[0])
 
 
 def document_ids(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
