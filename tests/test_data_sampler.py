@@ -69,3 +69,26 @@ def test_packed_collate_is_one_thd_row():
     assert "pixel_values" not in collate([rows[1], rows[1]])
     with pytest.raises(ValueError, match="mixes packed rows"):
         collate([rows[0], _Rows()[0]])
+
+
+def test_row_boundaries_checked_once_per_packed_seq_params(monkeypatch):
+    """Every layer asks for the row's boundaries: they are read (a host sync on CUDA) and checked once per
+    PackedSeqParams and cu_seqlens tensor; a new tensor, another length or bad boundaries are checked again."""
+    from megatron_glm5.models import packing
+
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+    psp = make_packed_seq_params(torch.tensor([0, 5, 9, 24]))
+    first = row_cu_seqlens(psp, 24, "cpu")
+    for _ in range(5):
+        assert row_cu_seqlens(psp, 24, "cpu") is first
+        assert packing.row_boundaries(psp, 24) == [0, 5, 9, 24]
+    assert len(reads) == 1 and first.dtype == torch.int32 and first.tolist() == [0, 5, 9, 24]
+    psp.cu_seqlens_q = torch.tensor([0, 12, 24], dtype=torch.int32)   # a new tensor: checked again
+    assert packing.row_boundaries(psp, 24) == [0, 12, 24] and row_cu_seqlens(psp, 24, "cpu").tolist() == [0, 12, 24]
+    with pytest.raises(ValueError, match="row length 25"):
+        row_cu_seqlens(psp, 25, "cpu")
+    psp.cu_seqlens_q = torch.tensor([0, 14, 12, 24], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        packing.row_boundaries(psp, 24)
