@@ -10,9 +10,10 @@ writes the same archive itself:
 
 * the bytes before the tensor data (all records up to ``archive/data/0``'s local header) depend only on the
   tensor's dtype and shape and are built once per (dtype, shape) (:meth:`TorchRecordWriter.prefix`);
-* the tensor's bytes go to the file straight from its memory (``os.write`` of a memoryview; the GIL is released
-  during the copy), their CRC-32 by ``zlib.crc32`` and the file's SHA-256 by ``hashlib`` (both release the GIL on
-  large buffers);
+* the tensor's bytes go to the file straight from its memory (one ``write`` of a memoryview to the stream: a
+  buffered file passes a buffer this large to the kernel without copying it, and the GIL is released during the
+  write), their CRC-32 by ``zlib.crc32`` and the file's SHA-256 by ``hashlib`` (both release the GIL on large
+  buffers);
 * the bytes after the data (data descriptor, last records, central directory) are a few ``struct.pack`` calls.
 
 torch.load (and so DCP's FileSystemReader and megatron's loader) does not check the CRCs, but they are written
