@@ -2,11 +2,12 @@
 """bf16 GPU parity: our model (FLA KDA + sparse DSA, bf16, one packed row) against transformers' Glm5Next run per
 document in fp32 and in bf16. Prints mean / max KL(ref || ours) over tokens, top-1 agreement and max |dlogit|.
 
-    python scripts/bf16_parity.py [--docs 700,900,400] [--hidden 512] [--layers 4] [--out DIR]
+    python scripts/bf16_parity.py [--docs 700,900,400] [--hidden 512] [--layers 4] [--out DIR] [--tune-configs 4]
 
 The checkpoint is a random one written by transformers (tools/make_tiny_hf_checkpoint.write_checkpoint) at the
 sizes given; KDA heads use head_dim 128 (the FLA kernel's fast path), index_topk is far below the document
-lengths so the indexer really drops positions.
+lengths so the indexer really drops positions. ``--tune-configs N`` lets each of FLA's Triton autotuners try at most
+N of its configs (``kernels/fla_tuning.py``; 0 = all): tuning every config for these new shapes takes minutes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", default="outputs/bf16_parity")
+    p.add_argument("--tune-configs", type=int, default=4,
+                   help="at most this many configs per FLA autotuner (0 = all; see the module docstring)")
     a = p.parse_args(argv)
 
     import torch
@@ -57,8 +60,10 @@ def main(argv=None) -> int:
     from transformers import Glm5NextForConditionalGeneration
 
     from megatron_glm5.models.builder import build_model_from_hf
+    from megatron_glm5.kernels.fla_tuning import limit_fla_autotuning
     from megatron_glm5.models.packing import make_packed_seq_params
 
+    print(f"FLA autotuners trimmed to <= {a.tune_configs} configs: {limit_fla_autotuning(a.tune_configs)}")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = "cuda"

@@ -450,3 +450,26 @@ def test_fla_fused_backend_matches_torch(mcore, dtype, lower_bound):
     for n in res[0][2]:
         assert torch.isfinite(res[1][2][n]).all(), n
         assert _rel_l2(res[1][2][n], res[0][2][n]) < tol_grad, n
+
+
+def test_fla_tune_configs_env(monkeypatch):
+    """GLM5_FLA_TUNE_CONFIGS: unset or 0 leaves FLA's autotuners alone (nothing imported); junk is a named error."""
+    from megatron_glm5.kernels import fla_tuning
+
+    monkeypatch.delenv(fla_tuning.ENV_VAR, raising=False)
+    assert fla_tuning.limit_fla_autotuning_from_env() == 0
+    monkeypatch.setenv(fla_tuning.ENV_VAR, "0")
+    assert fla_tuning.limit_fla_autotuning_from_env() == 0
+    for bad in ("four", "-1", "2.5"):
+        monkeypatch.setenv(fla_tuning.ENV_VAR, bad)
+        with pytest.raises(ValueError, match=fla_tuning.ENV_VAR):
+            fla_tuning.limit_fla_autotuning_from_env()
+
+
+@pytest.mark.gpu
+def test_fla_autotuning_trim_gpu():
+    """Trimming cuts every FLA autotuner with more than N configs to N; a second trim finds nothing left to cut."""
+    from megatron_glm5.kernels.fla_tuning import limit_fla_autotuning
+
+    assert limit_fla_autotuning(3) > 0
+    assert limit_fla_autotuning(3) == 0
