@@ -3,6 +3,7 @@
 document in fp32 and in bf16. Prints mean / max KL(ref || ours) over tokens, top-1 agreement and max |dlogit|.
 
     python scripts/bf16_parity.py [--docs 700,900,400] [--hidden 512] [--layers 4] [--out DIR] [--tune-configs 4]
+        [--torch-index-scores]
 
 The checkpoint is a random one written by transformers (tools/make_tiny_hf_checkpoint.write_checkpoint) at the
 sizes given; KDA heads use head_dim 128 (the FLA kernel's fast path), index_topk is far below the document
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="outputs/bf16_parity")
     p.add_argument("--tune-configs", type=int, default=4,
                    help="at most this many configs per FLA autotuner (0 = all; see the module docstring)")
+    p.add_argument("--torch-index-scores", action="store_true",
+                   help="also run our fp32 model with the KPool indexer's PyTorch pool scores instead of its kernel")
     a = p.parse_args(argv)
 
     import torch
@@ -83,8 +86,14 @@ def main(argv=None) -> int:
             refs[name] = torch.cat([hf(input_ids=d[None].to(dev)).logits[0].float() for d in docs]).cpu()
         del hf
         torch.cuda.empty_cache()
-    for name, dt, kw in (("ours_fp32_fla", torch.float32, {}), ("ours_bf16_fla_sparse", torch.bfloat16, {})):
-        model = build_model_from_hf(ckpt, dtype=dt, device=dev, **kw)
+    runs = [("ours_fp32_fla", torch.float32, True), ("ours_bf16_fla_sparse", torch.bfloat16, True)]
+    if a.torch_index_scores:
+        runs.insert(1, ("ours_fp32_fla_torch_index_scores", torch.float32, False))
+    for name, dt, fused_scores in runs:
+        model = build_model_from_hf(ckpt, dtype=dt, device=dev)
+        for module in model.modules():
+            if hasattr(module, "use_fused_scores"):
+                module.use_fused_scores = fused_scores
         print(f"{name}: kda_backend={model.config.kda_backend} dsa_backend={model.config.dsa_backend}")
         with torch.no_grad():
             model(ids, packed_seq_params=make_packed_seq_params(cu))

@@ -281,7 +281,8 @@ def test_topk_first_on_ties_matches_stable_sort(device):
 def test_fused_indexer_scores_match_reference_gpu(b, c, H, D, p, qdtype):
     """The Triton pool scores (kernels/indexer_scores.py) against the PyTorch ops on fresh random inputs with ragged
     sizes (query rows strided as the indexer slices them, D and H not powers of two, single query / pool), to 2e-6
-    of the largest score (tf32x3 products, another summation order); exact zeros where every head's ReLU is 0."""
+    of the largest score (tf32x3 products for bf16 queries, exact fp32 for fp32 ones; another summation order);
+    exact zeros where every head's ReLU is 0."""
     pytest.importorskip("triton")
     from megatron_glm5.kernels.indexer_scores import indexer_scores, indexer_scores_reference
 

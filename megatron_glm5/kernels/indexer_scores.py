@@ -11,8 +11,14 @@ runs on CPU)::
 In PyTorch that is an fp32 GEMM producing the ``[b, c, H, p]`` per-head scores (``H`` = 32 at the released widths:
 8.6 GB of fp32 at 16K queries x 4K pools, written and read by every elementwise step), a ReLU and a second GEMM
 over the heads. Here one program owns a ``[BM queries, BN pools]`` tile: the pool keys are loaded once, every
-head's ``q_h @ keys^T`` runs on the tensor cores (``tf32x3``: three TF32 products, about fp32 accuracy), and the
-ReLU and the weighted head sum happen in registers, so only ``[b, c, p]`` is written.
+head's ``q_h @ keys^T`` runs in registers, and the ReLU and the weighted head sum happen there too, so only
+``[b, c, p]`` is written.
+
+Precision follows the model: bf16 / fp16 queries use the tensor cores (``tf32x3``: three TF32 products, about fp32
+accuracy); fp32 queries (the parity runs) use exact fp32 products (``ieee``), as PyTorch's fp32 GEMM does with TF32
+off. The difference matters for the selection, not the scores: many pools score exactly 0 (every head's ReLU is 0)
+and ties go to the earlier pool, so a ``tf32x3`` rounding that lifts a score to 1e-9 picks another pool than the
+fp32 reference does.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ if HAVE_TRITON:
     @triton.jit
     def _indexer_scores_kernel(Q, K, W, OUT, C, P, H, D, scale,
                                sqb, sqc, sqh, skb, skp, swb, swc, sob, soc,
-                               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+                               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
         """Program (i, j, b): queries ``[i BM, +BM)`` x pools ``[j BN, +BN)`` of batch row ``b``."""
         b = tl.program_id(2).to(tl.int64)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -61,7 +67,7 @@ if HAVE_TRITON:
         for h in range(0, H):
             q = tl.load(q_ptr + h * sqh, mask=qmask, other=0.0).to(tl.float32)          # [BM, BD]
             w = tl.load(w_ptr + h, mask=rmask, other=0.0)                                  # [BM]
-            s = tl.dot(q, keys_t, input_precision="tf32x3")                                # [BM, BN]
+            s = tl.dot(q, keys_t, input_precision=PREC)                                   # [BM, BN]
             acc += w[:, None] * tl.maximum(s * scale, 0.0)
         tl.store(OUT + b * sob + rows[:, None].to(tl.int64) * soc + cols[None, :], acc,
                  mask=rmask[:, None] & cmask[None, :])
@@ -89,5 +95,6 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, s
     _indexer_scores_kernel[grid](q, keys, weights, out, c, p, H, D, float(scale),
                                  q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
                                  weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
-                                 BM=_BM, BN=_BN, BD=max(16, triton.next_power_of_2(D)), num_warps=4)
+                                 BM=_BM, BN=_BN, BD=max(16, triton.next_power_of_2(D)),
+                                 PREC="ieee" if q.dtype == torch.float32 else "tf32x3", num_warps=4)
     return out
