@@ -1,0 +1,91 @@
+"""MoE token permutation with the gather-and-sum backward (models/token_permutation.py) against megatron-core's."""
+
+import pytest
+import torch
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+from megatron_glm5.models import token_permutation
+
+
+def _routing(T, E, k, seed, ragged=False):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=g)
+    routing = torch.zeros(T, E, dtype=torch.bool).scatter_(1, scores.topk(k, dim=1).indices, True)
+    if ragged:  # some tokens with fewer than k experts (and one with none)
+        drop = torch.rand(T, E, generator=g) < 0.3
+        routing &= ~drop
+        routing[0] = False
+    return routing, torch.rand(T, E, generator=g)
+
+
+def test_dispatcher_uses_it():
+    assert token_dispatcher.permute is token_permutation.permute
+
+
+@pytest.mark.parametrize("T,E,k,ragged,dtype", [(37, 8, 3, False, torch.float32), (64, 16, 8, True, torch.float32),
+                                                (29, 5, 5, False, torch.float32), (50, 12, 4, False, torch.bfloat16)])
+def test_matches_megatron_core(T, E, k, ragged, dtype):
+    """Same permuted rows, probs and indices as upstream; the token gradient equals upstream's index_add_ (fp32: to
+    rounding; bf16: to one rounding of an fp32 sum, upstream rounds once per copy)."""
+    routing, probs = _routing(T, E, k, seed=T * E + k, ragged=ragged)
+    h = 24
+    x = torch.randn(T, h, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grad = torch.randn(int(routing.sum()), h, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+    outs = []
+    for fn in (moe_utils.permute, token_permutation.permute):
+        xi = x.clone().requires_grad_(True)
+        pi = probs.clone().requires_grad_(True)
+        permuted, permuted_probs, idx = fn(xi, routing, probs=pi, num_out_tokens=T * k)
+        (permuted.float() * grad.float()).sum().add_((permuted_probs * torch.arange(len(idx))).sum()).backward()
+        outs.append((permuted.detach(), permuted_probs.detach(), idx, xi.grad, pi.grad))
+    (ref_p, ref_pp, ref_i, ref_gx, ref_gp), (p, pp, i, gx, gp) = outs
+    assert torch.equal(p, ref_p) and torch.equal(pp, ref_pp) and torch.equal(i, ref_i)
+    assert torch.equal(gp, ref_gp)
+    exact = torch.zeros(T, h, dtype=torch.float64).index_add_(0, ref_i, grad.double())
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert (gx.double() - exact).abs().max() <= tol * exact.abs().max()
+    assert (gx.double() - exact).abs().max() <= (ref_gx.double() - exact).abs().max() + tol * exact.abs().max()
+    if ragged:
+        assert torch.equal(gx[0], torch.zeros(h, dtype=dtype))      # the token routed nowhere
+
+
+def test_copy_positions_point_at_each_copy():
+    routing, _ = _routing(41, 9, 4, seed=7, ragged=True)
+    _, _, idx = moe_utils.permute(torch.zeros(41, 1), routing)
+    pos, valid = token_permutation.copy_positions(routing, 4)
+    assert pos.shape == valid.shape == (41, 4)
+    assert torch.equal(valid.sum(1), routing.sum(1))
+    for t in range(41):
+        assert sorted(pos[t][valid[t]].tolist()) == sorted((idx == t).nonzero().flatten().tolist())
+
+
+def test_other_calls_fall_back_to_megatron_core():
+    """No num_out_tokens / a tensor count / no grad: upstream's function (same results)."""
+    routing, probs = _routing(20, 6, 2, seed=3)
+    x = torch.randn(20, 8)
+    for kw in ({}, {"num_out_tokens": torch.tensor(40)}):
+        a = token_permutation.permute(x, routing, **kw)
+        b = moe_utils.permute(x, routing, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+
+
+@pytest.mark.gpu
+def test_matches_megatron_core_gpu():
+    """On CUDA in bf16 at training-like sizes: same rows as upstream, and a token gradient at least as close to the
+    exact sum as upstream's index_add_."""
+    T, E, k, h = 4096, 16, 8, 1024
+    routing, probs = _routing(T, E, k, seed=11)
+    routing, probs = routing.cuda(), probs.cuda()
+    x = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(T * k, h, device="cuda", dtype=torch.bfloat16)
+    res = []
+    for fn in (moe_utils.permute, token_permutation.permute):
+        xi = x.clone().requires_grad_(True)
+        permuted, _, idx = fn(xi, routing, probs=probs, num_out_tokens=T * k)
+        permuted.backward(grad)
+        res.append((permuted.detach(), idx, xi.grad.double()))
+    exact = torch.zeros(T, h, dtype=torch.float64, device="cuda").index_add_(0, res[0][1], grad.double())
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    err_ours, err_upstream = ((r[2] - exact).abs().max().item() for r in res[::-1])
+    assert err_ours <= err_upstream + 1e-6
