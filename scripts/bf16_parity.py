@@ -3,7 +3,7 @@
 document in fp32 and in bf16. Prints mean / max KL(ref || ours) over tokens, top-1 agreement and max |dlogit|.
 
     python scripts/bf16_parity.py [--docs 700,900,400] [--hidden 512] [--layers 4] [--out DIR] [--tune-configs 4]
-        [--torch-index-scores]
+        [--torch-index-scores] [--fp32-variant kda_backend=fla ...]
 
 The checkpoint is a random one written by transformers (tools/make_tiny_hf_checkpoint.write_checkpoint) at the
 sizes given; KDA heads use head_dim 128 (the FLA kernel's fast path), index_topk is far below the document
@@ -56,6 +56,8 @@ def main(argv=None) -> int:
                    help="at most this many configs per FLA autotuner (0 = all; see the module docstring)")
     p.add_argument("--torch-index-scores", action="store_true",
                    help="also run our fp32 model with the KPool indexer's PyTorch pool scores instead of its kernel")
+    p.add_argument("--fp32-variant", action="append", default=[], metavar="FIELD=VALUE",
+                   help="also run our fp32 model with this config field set (a string field, e.g. kda_backend=fla)")
     a = p.parse_args(argv)
 
     import torch
@@ -86,11 +88,14 @@ def main(argv=None) -> int:
             refs[name] = torch.cat([hf(input_ids=d[None].to(dev)).logits[0].float() for d in docs]).cpu()
         del hf
         torch.cuda.empty_cache()
-    runs = [("ours_fp32_fla", torch.float32, True), ("ours_bf16_fla_sparse", torch.bfloat16, True)]
+    runs = [("ours_fp32_fla", torch.float32, True, {}), ("ours_bf16_fla_sparse", torch.bfloat16, True, {})]
     if a.torch_index_scores:
-        runs.insert(1, ("ours_fp32_fla_torch_index_scores", torch.float32, False))
-    for name, dt, fused_scores in runs:
-        model = build_model_from_hf(ckpt, dtype=dt, device=dev)
+        runs.insert(1, ("ours_fp32_fla_torch_index_scores", torch.float32, False, {}))
+    for item in a.fp32_variant:
+        key, _, value = item.partition("=")
+        runs.insert(1, (f"ours_fp32_{key}={value}", torch.float32, True, {key: value}))
+    for name, dt, fused_scores, overrides in runs:
+        model = build_model_from_hf(ckpt, dtype=dt, device=dev, **overrides)
         for module in model.modules():
             if hasattr(module, "use_fused_scores"):
                 module.use_fused_scores = fused_scores

@@ -295,7 +295,7 @@ def test_fused_indexer_scores_match_reference_gpu(b, c, H, D, p, qdtype):
     got = indexer_scores(q, keys, w, D ** -0.5)
     ref = indexer_scores_reference(q, keys, w, D ** -0.5)
     assert got.shape == ref.shape == (b, c, p) and got.dtype == torch.float32
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 2e-6
+    assert (got - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()   # (all zeros possible at c = p = 1)
     zero = ref[0, 0] == 0
     assert torch.equal(got[0, 0][zero], ref[0, 0][zero])
 
