@@ -150,7 +150,9 @@ class Glm5Config(MLATransformerConfig):
     """Chunk length of the chunked delta rule (torch backend and FLA)."""
     kda_backend: str = "torch"
     """'torch' (chunked PyTorch delta rule, runs anywhere), 'fla' (flash-linear-attention chunk_kda, CUDA) or
-    'fla_fused' (FLA conv, in-kernel gates and fused gated norm around chunk_kda: the GPU fast path)."""
+    'fla_fused' (FLA conv, in-kernel gates and fused gated norm around chunk_kda: the GPU fast path, for bf16; in
+    fp32 its TF32 inside FLA's gate and norm kernels puts it ~10x further from the fp32 reference than 'fla', so fp32
+    checks on a GPU should pick 'fla')."""
 
     # ---- KPool DSA ----
     index_n_heads: int = 32
