@@ -21,7 +21,10 @@ FWD_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
 BWD_SWEEP = [dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=0),
              dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1, split=False, vec_red=1),
-             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1)]
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1),
+             dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, split=False, vec_red=1),
+             dict(BLOCK_H=64, BLOCK_N=16, num_warps=16, num_stages=1, split=False, vec_red=1),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=1, split=False, vec_red=1)]
 
 
 def kpool_like_indices(s: int, topk: int, kpool: int, device, seed: int = 0):
