@@ -2,7 +2,7 @@
 """Time the fused sparse MLA kernel alone (released widths: 64 heads, latent 512, top-k 2048 + 3 tail slots) on
 KPool-like selections, for a few tilings; and its parts (forward, backward dq only, backward dkv only).
 
-    python scripts/bench_sparse_mla.py [--seqs 4096,16384] [--heads 64] [--latent 512] [--sweep]
+    python scripts/bench_sparse_mla.py [--seqs 4096,16384] [--heads 64] [--latent 512] [--sweep | --bwd-sweep 0,4]
 
 Selections: per query, min(index_topk / kpool, visible pools) random complete pools of its (single) document plus
 the always-selected tail (tail slots first, as the DSA layer passes them). Prints ms and the useful TFLOP/s
@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--kpool", type=int, default=4)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--bwd-sweep", default=None, help="comma list of BWD_SWEEP entries to time (default: all)")
     a = p.parse_args(argv)
 
     import torch
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     default_fwd, default_bwd = dict(sm.FWD_CONFIG), dict(sm.BWD_CONFIG)
     fwd_list = FWD_SWEEP if a.sweep else [default_fwd]
     bwd_list = BWD_SWEEP if a.sweep else [default_bwd]
+    if a.bwd_sweep:
+        fwd_list, bwd_list = [default_fwd], [BWD_SWEEP[int(i)] for i in a.bwd_sweep.split(",")]
     for s in [int(x) for x in a.seqs.split(",")]:
         idx = kpool_like_indices(s, a.topk, a.kpool, dev)
         f_fwd, f_bwd = sm.sparse_mla_flops(idx, H, R)
