@@ -70,12 +70,10 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
             or not (torch.is_grad_enabled() and tokens.requires_grad)):
         return _upstream_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
                                  drop_and_pad=drop_and_pad)
-    routing_map = routing_map.bool()
-    expert_major = routing_map.t().contiguous()                                      # [E, T]
-    token_ids = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand_as(expert_major)
-    sorted_indices = token_ids.masked_select(expert_major)                          # [N]
-    permuted_probs = probs.t().contiguous().masked_select(expert_major) if probs is not None else None
-    positions, valid = copy_positions(routing_map, k)
+    # upstream's order and probs (its token gather on a zero-width stand-in costs nothing), our gather for the rows
+    _, permuted_probs, sorted_indices = _upstream_permute(tokens.new_empty(num_tokens, 0), routing_map, probs=probs,
+                                                          num_out_tokens=num_out_tokens)
+    positions, valid = copy_positions(routing_map.bool(), k)
     return _GatherTokens.apply(tokens, sorted_indices, positions, valid), permuted_probs, sorted_indices
 
 
