@@ -368,3 +368,21 @@ def test_interrupted_conversion_leaves_no_output(ckpts, tmp_path, monkeypatch):
         convert_hf_to_mcore(ckpts["hf"], str(tmp_path / "ckpt"), progress=False)
     assert 25 <= len(calls) <= 27  # the other writer thread stops after the tensor it is producing
     assert os.listdir(tmp_path) == []
+
+
+def test_usable_cpus_and_default_writer_threads(monkeypatch):
+    """Thread pools follow the CPUs this process may use: its affinity mask, else the machine's count; the
+    converter's default writer threads are that, at most MAX_DEFAULT_THREADS."""
+    import os
+
+    from megatron_glm5.checkpoint import cpus
+    from megatron_glm5.cli import convert_hf_to_mcore as cli
+
+    assert 1 <= cpus.usable_cpus() <= (os.cpu_count() or 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert cpus.usable_cpus() == 1 and cli.default_writer_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert cpus.usable_cpus() == 64 and cli.default_writer_threads() == cli.MAX_DEFAULT_THREADS
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert cpus.usable_cpus() == 1

@@ -20,6 +20,7 @@ import os
 import re
 from typing import Dict, Iterable, Optional
 
+from megatron_glm5.checkpoint.cpus import usable_cpus
 from megatron_glm5.checkpoint.errors import CheckpointError
 
 MANIFEST_FILE = "checksums.sha256"
@@ -64,7 +65,7 @@ def sha256_file(path: str) -> str:
 
 
 def _threads(n: int) -> int:
-    return max(1, min(n, os.cpu_count() or 1, 8))
+    return max(1, min(n, usable_cpus(), 8))
 
 
 def hash_files(paths: Iterable[str]) -> Dict[str, str]:

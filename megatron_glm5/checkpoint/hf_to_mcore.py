@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_glm5.checkpoint.atomic import atomic_output_dir
 from megatron_glm5.checkpoint.checksums import write_manifest
+from megatron_glm5.checkpoint.cpus import usable_cpus
 from megatron_glm5.checkpoint.dcp_save import save_streaming
 from megatron_glm5.checkpoint.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_io import HFCheckpointReader, mtp_notice, validate_hf_checkpoint
@@ -129,7 +130,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
                            dynamic_ncols=True, smoothing=0.1)
             # the writer threads are the parallelism: torch's intra-op pool on top of them only oversubscribes
             intra = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // threads))
+            torch.set_num_threads(max(1, usable_cpus() // threads))
             try:
                 if workers == 1:
                     stats = save_streaming(model, sources, reader, tmp, on_bytes=bar.update if bar else None,

@@ -15,6 +15,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_glm5.checkpoint.cpus import usable_cpus
 from megatron_glm5.checkpoint.errors import CheckpointError, one_line
 
 
@@ -32,7 +33,7 @@ def _worker_entry(rank: int, world: int, port: int, hf_dir: str, out_dir: str, d
     # visible, rank 2 of 3 on a one-GPU machine asked for device 2 and failed)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world * threads)))
+    torch.set_num_threads(max(1, usable_cpus() // (world * threads)))
     from megatron_glm5.lean_import import import_megatron_without_compile
 
     if import_megatron_without_compile():  # (no model code runs here: 2 s less start-up per worker)

@@ -18,7 +18,6 @@ instead. Bad input prints one ``convert_hf_to_mcore: error: ...`` line and exits
 from __future__ import annotations
 
 import gc
-import os
 import sys
 
 from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
@@ -31,11 +30,9 @@ MAX_DEFAULT_THREADS = 16
 
 def default_writer_threads() -> int:
     """The CPUs this process may run on (its affinity mask where the OS has one), at most ``MAX_DEFAULT_THREADS``."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_THREADS, cpus))
+    from megatron_glm5.checkpoint.cpus import usable_cpus
+
+    return min(MAX_DEFAULT_THREADS, usable_cpus())
 
 
 def parser() -> OneLineArgumentParser:
