@@ -52,9 +52,10 @@ def parser() -> OneLineArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="dtype of the written tensors (fp32 islands stay fp32); default bf16")
     p.add_argument("--workers", type=int, default=1, help="conversion processes (default 1)")
-    p.add_argument("--threads", type=int, default=default_writer_threads(),
+    threads = default_writer_threads()
+    p.add_argument("--threads", type=int, default=threads,
                    help="writer threads (files) per process (default: the CPU count, at most "
-                        f"{MAX_DEFAULT_THREADS}; here {default_writer_threads()})")
+                        f"{MAX_DEFAULT_THREADS}; here {threads})")
     p.add_argument("--mtp-init", action="store_true",
                    help="the checkpoint has no MTP weights but config.json declares MTP: write a freshly "
                         "initialised MTP layer (for training) instead of dropping it")
