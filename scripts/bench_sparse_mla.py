@@ -24,7 +24,13 @@ BWD_SWEEP = [dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1),
              dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=64, BLOCK_N=16, num_warps=16, num_stages=1, split=False, vec_red=1),
-             dict(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=1, split=False, vec_red=1)]
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=1, split=False, vec_red=1),
+             # 7: dq at 64 heads per program (wgmma; fits once the dkv products are gone), dkv at 32
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dkv=dict(BLOCK_H=32))]
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def kpool_like_indices(s: int, topk: int, kpool: int, device, seed: int = 0):
@@ -101,23 +107,32 @@ def main(argv=None) -> int:
         sm.FWD_CONFIG.update(default_fwd)
         with torch.no_grad():
             o, lse = sm._sparse_mla_fwd(q.view(s, H, R), kv.view(s, R), prep[0], prep[1], 0.06)
+        def bwd(passes=None):
+            return sm._sparse_mla_bwd(go.view(s, H, R), q.view(s, H, R), kv.view(s, R), o, lse, prep[0], prep[1],
+                                      0.06, passes=passes)
+
+        with torch.no_grad():
+            ref_dq, ref_dkv = bwd()                                     # the default tiling, for agreement
         for cfg in bwd_list:
             sm.BWD_CONFIG.clear()
             sm.BWD_CONFIG.update(cfg)
             try:
-                t = cuda_time(lambda: sm._sparse_mla_bwd(go.view(s, H, R), q.view(s, H, R), kv.view(s, R), o, lse,
-                                                     prep[0], prep[1], 0.06))
-                line = f"  bwd {cfg}: {t:7.2f} ms  {f_bwd / t / 1e9:6.0f} TFLOP/s"
+                with torch.no_grad():
+                    dq, dkv = bwd()
+                err = f"dq {_rel(dq, ref_dq):.1e}, dkv {_rel(dkv, ref_dkv):.1e}"
+                t = cuda_time(bwd)
+                line = f"  bwd {cfg}: {t:7.2f} ms  {f_bwd / t / 1e9:6.0f} TFLOP/s  (rel. diff to default: {err})"
                 if cfg.get("split"):
-                    line += " (dq and dkv kernels)"
+                    t_dq = cuda_time(lambda: bwd([(True, False)]))
+                    t_dkv = cuda_time(lambda: bwd([(False, True)]))
+                    line += f"; dq kernel {t_dq:.2f} ms, dkv kernel {t_dkv:.2f} ms"
                 print(line, flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  bwd {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         sm.BWD_CONFIG.clear()
         sm.BWD_CONFIG.update(default_bwd)
         for name, passes in (("dq only", [(True, False)]), ("dkv only", [(False, True)])):
-            t = cuda_time(lambda: sm._sparse_mla_bwd(go.view(s, H, R), q.view(s, H, R), kv.view(s, R), o, lse,
-                                                 prep[0], prep[1], 0.06, passes=passes))
+            t = cuda_time(lambda: bwd(passes))
             print(f"  default bwd, {name}: {t:7.2f} ms", flush=True)
         t = cuda_time(lambda: sm.sparse_mla(q, kv, idx, 0.06, prepared=prep).backward(go))
         print(f"  default fwd+bwd (autograd): {t:7.2f} ms", flush=True)

@@ -47,7 +47,8 @@ __all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG"
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 """Forward tiling: heads per program (capped at the padded head count), selected rows per step, warps, stages."""
 BWD_CONFIG = dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1)
-"""Backward tiling; ``split=True`` runs dq and dkv as two kernels (less register pressure, recomputes P twice);
+"""Backward tiling; ``split=True`` runs dq and dkv as two kernels (less register pressure, recomputes P twice;
+optional ``dq`` / ``dkv`` sub-dicts give each its own tiling);
 ``vec_red``: 1 = 16-byte vector reductions for dkv (sm_90 ``red.global.add.v4.f32``), 0 = scalar atomics."""
 
 _LOG2E = 1.4426950408889634
@@ -220,22 +221,34 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
     return o, lse
 
 
+def _bwd_passes(cfg: dict, passes=None):
+    """Kernel launches of the backward for a :data:`BWD_CONFIG`: ``[(compute_dq, compute_dkv, tiling)]``.
+
+    ``split`` runs dq and dkv as two launches whose tilings may differ (optional ``dq`` / ``dkv`` sub-dicts
+    override the shared keys); ``passes`` (benchmarks) picks explicit ``(compute_dq, compute_dkv)`` launches."""
+    base = {k: v for k, v in cfg.items() if k not in ("split", "dq", "dkv")}
+    split = bool(cfg.get("split"))
+    if passes is None:
+        passes = [(True, False), (False, True)] if split else [(True, True)]
+    out = []
+    for dq, dkv in passes:
+        own = cfg.get("dq", {}) if dq and not dkv else cfg.get("dkv", {}) if dkv and not dq else {}
+        out.append((dq, dkv, {**base, **(own if split else {})}))
+    return out
+
+
 def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                     idx: torch.Tensor, n_end: torch.Tensor, scale: float,
                     passes=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients ``(dq [T, H, R] in q.dtype, dkv [T, R] in kv.dtype)``. ``passes``: explicit list of
     ``(compute_dq, compute_dkv)`` kernel launches (benchmarks time the two halves separately)."""
     T, H, R = q.shape
-    cfg = BWD_CONFIG
-    bh = _block_h(H, cfg["BLOCK_H"])
     do = do.contiguous()
     dq = torch.empty_like(o)
     dkv = torch.zeros(T, R, device=kv.device, dtype=torch.float32)
-    grid = (T, triton.cdiv(H, bh))
-    if passes is None:
-        passes = [(True, False), (False, True)] if cfg.get("split") else [(True, True)]
-    for compute_dq, compute_dkv in passes:
-        _sparse_mla_bwd_kernel[grid](
+    for compute_dq, compute_dkv, cfg in _bwd_passes(BWD_CONFIG, passes):
+        bh = _block_h(H, cfg["BLOCK_H"])
+        _sparse_mla_bwd_kernel[(T, triton.cdiv(H, bh))](
             q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), H,
             R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
