@@ -22,12 +22,12 @@ def test_dispatcher_uses_it():
     assert token_dispatcher.permute is token_permutation.permute
 
 
-@pytest.mark.parametrize("T,E,k,ragged,dtype", [(37, 8, 3, False, torch.float32), (64, 16, 8, True, torch.float32),
-                                                (29, 5, 5, False, torch.float32), (50, 12, 4, False, torch.bfloat16)])
-def test_matches_megatron_core(T, E, k, ragged, dtype):
-    """Same permuted rows, probs and indices as upstream; the token gradient equals upstream's index_add_ (fp32: to
-    rounding; bf16: to one rounding of an fp32 sum, upstream rounds once per copy)."""
-    routing, probs = _routing(T, E, k, seed=T * E + k, ragged=ragged)
+@pytest.mark.parametrize("T,E,k,dtype", [(37, 8, 3, torch.float32), (64, 16, 8, torch.float32),
+                                         (29, 5, 5, torch.float32), (50, 12, 4, torch.bfloat16)])
+def test_matches_megatron_core(T, E, k, dtype):
+    """Same permuted rows, probs and indices as upstream; the probs' gradient equal; the token gradient equals
+    upstream's index_add_ (fp32: to rounding; bf16: to one rounding of an fp32 sum, upstream rounds once per copy)."""
+    routing, probs = _routing(T, E, k, seed=T * E + k)
     h = 24
     x = torch.randn(T, h, generator=torch.Generator().manual_seed(1)).to(dtype)
     grad = torch.randn(int(routing.sum()), h, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -41,27 +41,53 @@ def test_matches_megatron_core(T, E, k, ragged, dtype):
         outs.append((permuted.detach(), permuted_probs.detach(), idx, xi.grad, pi.grad))
     (ref_p, ref_pp, ref_i, ref_gx, ref_gp), (p, pp, i, gx, gp) = outs
     assert torch.equal(p, ref_p) and torch.equal(pp, ref_pp) and torch.equal(i, ref_i)
+    assert i.dtype == ref_i.dtype and pp.dtype == ref_pp.dtype
     assert torch.equal(gp, ref_gp)
     exact = torch.zeros(T, h, dtype=torch.float64).index_add_(0, ref_i, grad.double())
     tol = 1e-6 if dtype == torch.float32 else 8e-3
     assert (gx.double() - exact).abs().max() <= tol * exact.abs().max()
     assert (gx.double() - exact).abs().max() <= (ref_gx.double() - exact).abs().max() + tol * exact.abs().max()
-    if ragged:
-        assert torch.equal(gx[0], torch.zeros(h, dtype=dtype))      # the token routed nowhere
+
+
+def test_ragged_routing():
+    """Tokens with fewer than k experts: with ``num_out_tokens = T * k`` (Transformer Engine's contract: exactly k
+    each) the call stops with one line instead of returning rows that do not exist; without it upstream runs and the
+    results are upstream's, including the token routed nowhere."""
+    T, E, k = 40, 10, 4
+    routing, probs = _routing(T, E, k, seed=3, ragged=True)
+    x = torch.randn(T, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="fewer than 4 experts"):
+        token_permutation.permute(x, routing, probs=probs, num_out_tokens=T * k)
+    ours = token_permutation.permute(x, routing, probs=probs)
+    ref = moe_utils.permute(x, routing, probs=probs)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_no_grad_and_no_probs():
+    """Inference (no autograd) and calls without probs take the same sync-free path and give upstream's results."""
+    T, E, k = 33, 7, 2
+    routing, _ = _routing(T, E, k, seed=11)
+    x = torch.randn(T, 5)
+    with torch.no_grad():
+        p, pp, i = token_permutation.permute(x, routing, num_out_tokens=T * k)
+    rp, rpp, ri = moe_utils.permute(x, routing, num_out_tokens=T * k)
+    assert pp is None and rpp is None and torch.equal(p, rp) and torch.equal(i, ri)
 
 
 def test_copy_positions_point_at_each_copy():
     routing, _ = _routing(41, 9, 4, seed=7, ragged=True)
     _, _, idx = moe_utils.permute(torch.zeros(41, 1), routing)
-    pos, valid = token_permutation.copy_positions(routing, 4)
-    assert pos.shape == valid.shape == (41, 4)
+    pos, valid, experts = token_permutation.copy_positions(routing, 4)
+    assert pos.shape == valid.shape == experts.shape == (41, 4)
+    assert routing.gather(1, experts)[valid].all()
     assert torch.equal(valid.sum(1), routing.sum(1))
     for t in range(41):
         assert sorted(pos[t][valid[t]].tolist()) == sorted((idx == t).nonzero().flatten().tolist())
 
 
 def test_other_calls_fall_back_to_megatron_core():
-    """No num_out_tokens / a tensor count / no grad: upstream's function (same results)."""
+    """No num_out_tokens / a tensor count: upstream's function (same results)."""
     routing, probs = _routing(20, 6, 2, seed=3)
     x = torch.randn(20, 8)
     for kw in ({}, {"num_out_tokens": torch.tensor(40)}):

@@ -1,17 +1,23 @@
-"""MoE token permutation whose backward gathers each token's copies instead of scattering them with atomics.
+"""MoE token permutation without host syncs, whose backward gathers each token's copies instead of scattering them.
 
 megatron-core's ``moe_utils.permute`` (the path without Transformer Engine) builds ``sorted_indices`` (expert-major:
-for each expert, its tokens in order) and returns ``tokens.index_select(0, sorted_indices)``. Autograd's backward
-of that is an ``index_add_`` of ``[T * k, h]`` rows into ``[T, h]``: atomics, with one rounding per copy in bf16,
-and its order differs run to run. :func:`permute` computes the same forward; its backward knows where each
-token's (at most ``k``) copies sit and sums them with one ``embedding_bag`` (a gather and a sum in fp32 per row),
-so it writes every row once, in a fixed order, and rounds once.
+for each expert, its tokens in order) with ``masked_select`` -- a data-dependent size, so a device-to-host sync per
+call (two per MoE layer with the probs) -- and returns ``tokens.index_select(0, sorted_indices)``, whose backward is
+an ``index_add_`` of ``[T * k, h]`` rows into ``[T, h]``: atomics, with one rounding per copy in bf16, in an order that
+differs run to run.
 
-Shapes: ``tokens [T, h]``, ``routing_map [T, E]`` bool (at most ``k`` experts per token), ``probs [T, E]``;
-outputs ``permuted [N, h]`` (``N`` = selected pairs), ``permuted_probs [N]``, ``sorted_indices [N]`` (token of each
-row), exactly as upstream. Used when the caller passes ``num_out_tokens = T * k`` as a Python int (the all-to-all
-dispatcher without capacity or padding); otherwise upstream's function runs. :func:`install` makes the all-to-all
-dispatcher call it (once, on import of :mod:`megatron_glm5.models`).
+:func:`permute` gives the same results without a sync: when the caller passes ``num_out_tokens = T * k`` (the
+all-to-all dispatcher without capacity or padding), every token has exactly ``k`` experts -- the contract of
+Transformer Engine's fused permute for that argument, checked here on the device (``torch._assert_async``; on the
+CPU it raises) -- so the output size is known, and each copy's row is an exclusive prefix count in expert-major
+order (:func:`copy_positions`); one scatter of ``t * E + e`` into those rows gives ``sorted_indices`` and the probs'
+gather index. The backward sums each token's ``k`` copies with one ``embedding_bag`` (a gather and an fp32 sum per
+row), so it writes every row once, in a fixed order, and rounds once.
+
+Shapes: ``tokens [T, h]``, ``routing_map [T, E]`` bool, ``probs [T, E]``; outputs ``permuted [T * k, h]``,
+``permuted_probs [T * k]``, ``sorted_indices [T * k]`` (token of each row), exactly as upstream. Other calls (no
+``num_out_tokens``, capacity, padding, ``fused``) run upstream's function. :func:`install` makes the dispatchers
+call it (once, on import of :mod:`megatron_glm5.models`).
 """
 
 from __future__ import annotations
@@ -25,14 +31,15 @@ from megatron.core.transformer.moe import moe_utils, token_dispatcher
 _upstream_permute = moe_utils.permute
 
 
-def copy_positions(routing_map: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def copy_positions(routing_map: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each token's copies land in the expert-major permuted order.
 
     Args:
         routing_map: ``[T, E]`` bool, at most ``k`` True per row.
         k: copies per token at most.
     Returns:
-        ``positions [T, k]`` int64 (rows of the permuted tensor; 0 in unused slots) and ``valid [T, k]`` bool.
+        ``positions [T, k]`` int64 (rows of the permuted tensor; 0 in unused slots), ``valid [T, k]`` bool and
+        ``experts [T, k]`` int64 (the expert of each slot).
     """
     num_tokens, num_experts = routing_map.shape
     expert_major = routing_map.t().reshape(-1).to(torch.int64)                       # [E * T]
@@ -40,41 +47,47 @@ def copy_positions(routing_map: torch.Tensor, k: int) -> Tuple[torch.Tensor, tor
     position = before.view(num_experts, num_tokens).t()                              # [T, E]
     slots = torch.topk(routing_map.to(torch.float32), k, dim=1, sorted=False).indices  # every True among the k
     valid = routing_map.gather(1, slots)
-    return position.gather(1, slots).masked_fill(~valid, 0), valid
+    return position.gather(1, slots).masked_fill(~valid, 0), valid, slots
 
 
 class _GatherTokens(torch.autograd.Function):
-    """``tokens[sorted_indices]`` with a gather-and-sum backward over each token's copies."""
+    """``tokens[sorted_indices]`` with a gather-and-sum backward over each token's copies (``positions [T, k]``)."""
 
     @staticmethod
-    def forward(ctx, tokens, sorted_indices, positions, valid):
-        ctx.save_for_backward(positions, valid)
+    def forward(ctx, tokens, sorted_indices, positions):
+        ctx.save_for_backward(positions)
         return tokens.index_select(0, sorted_indices)
 
     @staticmethod
     def backward(ctx, grad_permuted):
-        positions, valid = ctx.saved_tensors
+        (positions,) = ctx.saved_tensors
         grad = grad_permuted.contiguous()
         if grad.shape[0] == 0:
-            return grad.new_zeros(positions.shape[0], grad.shape[1]), None, None, None
-        grad_tokens = F.embedding_bag(positions, grad, mode="sum", per_sample_weights=valid.to(grad.dtype))
-        return grad_tokens, None, None, None
+            return grad.new_zeros(positions.shape[0], grad.shape[1]), None, None
+        return F.embedding_bag(positions, grad, mode="sum"), None, None
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
             num_out_tokens: Optional[int] = None, fused: bool = False, drop_and_pad: bool = False):
     """Drop-in for ``moe_utils.permute`` (same arguments and results; see the module docstring)."""
-    num_tokens = tokens.shape[0]
+    num_tokens, num_experts = routing_map.shape
     k = num_out_tokens // num_tokens if isinstance(num_out_tokens, int) and num_tokens else 0
-    if (fused or drop_and_pad or not k or k * num_tokens != num_out_tokens or k > routing_map.shape[1]
-            or not (torch.is_grad_enabled() and tokens.requires_grad)):
+    if fused or drop_and_pad or not k or k * num_tokens != num_out_tokens or k > num_experts:
         return _upstream_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
                                  drop_and_pad=drop_and_pad)
-    # upstream's order and probs (its token gather on a zero-width stand-in costs nothing), our gather for the rows
-    _, permuted_probs, sorted_indices = _upstream_permute(tokens.new_empty(num_tokens, 0), routing_map, probs=probs,
-                                                          num_out_tokens=num_out_tokens)
-    positions, valid = copy_positions(routing_map.bool(), k)
-    return _GatherTokens.apply(tokens, sorted_indices, positions, valid), permuted_probs, sorted_indices
+    positions, valid, slots = copy_positions(routing_map.bool(), k)
+    torch._assert_async(valid.all(), f"MoE permute: num_out_tokens = {k} x tokens, but a token has fewer than {k} "
+                                     "experts in the routing map")
+    rows = positions.reshape(-1)
+    token_expert = torch.arange(num_tokens, device=slots.device)[:, None] * num_experts + slots      # [T, k]
+    flat = torch.empty_like(rows).scatter_(0, rows, token_expert.reshape(-1))   # t * E + e of each permuted row
+    sorted_indices = torch.div(flat, num_experts, rounding_mode="floor")
+    permuted_probs = None if probs is None else probs.reshape(-1).index_select(0, flat)
+    if torch.is_grad_enabled() and tokens.requires_grad:
+        permuted = _GatherTokens.apply(tokens, sorted_indices, positions)
+    else:
+        permuted = tokens.index_select(0, sorted_indices)
+    return permuted, permuted_probs, sorted_indices
 
 
 def install() -> None:
