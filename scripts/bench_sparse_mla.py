@@ -26,7 +26,11 @@ BWD_SWEEP = [dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False
              dict(BLOCK_H=64, BLOCK_N=16, num_warps=16, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=1, split=False, vec_red=1),
              # 7: dq at 64 heads per program (wgmma; fits once the dkv products are gone), dkv at 32
-             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dkv=dict(BLOCK_H=32))]
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dkv=dict(BLOCK_H=32)),
+             # 8-10: the default with 4 warps, or 2 / 3 stages for the gathered rows
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=1, split=False, vec_red=1),
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2, split=False, vec_red=1),
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=3, split=False, vec_red=1)]
 
 
 def _rel(a, b) -> float:
