@@ -115,3 +115,71 @@ def test_matches_megatron_core_gpu():
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
     err_ours, err_upstream = ((r[2] - exact).abs().max().item() for r in res[::-1])
     assert err_ours <= err_upstream + 1e-6
+
+
+def test_dispatcher_patches_installed():
+    assert token_dispatcher.sort_chunks_by_idxs is token_permutation.sort_chunks_by_idxs
+    assert (token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
+            is token_permutation._maybe_dtoh_and_synchronize)
+
+
+def test_identity_chunk_sort_is_skipped():
+    """Identity order: the very same tensors come back (no copy); any other order: upstream's split-and-cat."""
+    x, p = torch.randn(10, 3), torch.rand(10)
+    sizes = torch.tensor([4, 0, 6])
+    out, out_p = token_permutation.sort_chunks_by_idxs(x, sizes, torch.arange(3), probs=p)
+    assert out is x and out_p is p
+    order = torch.tensor([2, 0, 1])
+    ours = token_permutation.sort_chunks_by_idxs(x, sizes, order, probs=p)
+    ref = moe_utils.sort_chunks_by_idxs(x, sizes, order, probs=p)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    assert torch.equal(ours[0], torch.cat([x[4:], x[:4]]))
+
+
+def test_moe_layer_on_one_rank_keeps_counts_on_device(mcore, monkeypatch):
+    """A whole MoE layer (router, all-to-all dispatcher, experts, combine) on one rank: the dispatcher never copies
+    its counts to the host, hands the experts a tensor, and the output and every gradient equal those with
+    megatron-core's own chunk sort and host copy (fp32, to rounding; grouped and per-expert experts)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_glm5.config import Glm5Config, tiny_hf_config
+    from megatron_glm5.models.layer_specs import get_moe_spec
+
+    seen = []
+    upstream_dtoh = token_permutation._upstream_dtoh
+
+    def spy_dtoh(self, point, tokens_per_expert=None):
+        seen.append(token_permutation.keeps_counts_on_device(self))
+        return token_permutation._maybe_dtoh_and_synchronize(self, point, tokens_per_expert)
+
+    cfg = Glm5Config.from_hf(tiny_hf_config(with_vision=False), moe_experts_backend="grouped",
+                             use_cpu_initialization=True)
+    torch.manual_seed(0)
+    moe = build_module(get_moe_spec(cfg), config=cfg, layer_number=2)
+    moe.experts.force_grouped = hasattr(torch, "_grouped_mm")
+    received = []
+    experts_forward = type(moe.experts).forward
+    monkeypatch.setattr(type(moe.experts), "forward",
+                        lambda self, x, tpe, probs: (received.append(tpe), experts_forward(self, x, tpe, probs))[1])
+    torch.manual_seed(1)
+    s = 9
+    x = torch.randn(s, 1, cfg.hidden_size)
+    w = torch.randn(s, 1, cfg.hidden_size)
+
+    def run():
+        moe.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out, _ = moe(xi)
+        (out * w).sum().backward()
+        return [out.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters() if p.grad is not None]
+
+    monkeypatch.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", spy_dtoh)
+    ours = run()
+    assert seen and all(seen)
+    assert isinstance(received[-1], torch.Tensor) and int(received[-1].sum()) == s * cfg.moe_router_topk
+    monkeypatch.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", upstream_dtoh)
+    monkeypatch.setattr(token_dispatcher, "sort_chunks_by_idxs", token_permutation._upstream_sort_chunks)
+    ref = run()
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref):
+        assert ((a - b).norm() / b.norm().clamp_min(1e-30)).item() < 1e-6

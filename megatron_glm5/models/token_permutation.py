@@ -16,8 +16,17 @@ row), so it writes every row once, in a fixed order, and rounds once.
 
 Shapes: ``tokens [T, h]``, ``routing_map [T, E]`` bool, ``probs [T, E]``; outputs ``permuted [T * k, h]``,
 ``permuted_probs [T * k]``, ``sorted_indices [T * k]`` (token of each row), exactly as upstream. Other calls (no
-``num_out_tokens``, capacity, padding, ``fused``) run upstream's function. :func:`install` makes the dispatchers
-call it (once, on import of :mod:`megatron_glm5.models`).
+``num_out_tokens``, capacity, padding, ``fused``) run upstream's function.
+
+On one expert-and-tensor-parallel rank (``ep * tp == 1``, dropless) the all-to-all dispatcher has two more costs
+that buy nothing there: it copies the per-expert token counts to the host and waits for them (a sync per MoE layer,
+for the experts' and the chunk sort's split sizes), and its "permutation 2" (``sort_chunks_by_idxs``) splits the
+permuted tokens by expert and concatenates them back in the same order -- a full copy of ``[T * k, h]`` forward and
+backward, and of the expert outputs on the way back. :func:`keeps_counts_on_device` skips the host copy (the counts
+stay a device tensor: ``GroupedExperts`` needs them there; megatron-core's ``SequentialMLP`` takes ``.tolist()``,
+which waits correctly), and :func:`sort_chunks_by_idxs` returns its inputs when the chunk order is the identity.
+
+:func:`install` makes megatron-core's dispatchers use all three (once, on import of :mod:`megatron_glm5.models`).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 _upstream_permute = moe_utils.permute
+_upstream_sort_chunks = moe_utils.sort_chunks_by_idxs
+_upstream_dtoh = token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
 
 
 def copy_positions(routing_map: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,6 +101,33 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
     return permuted, permuted_probs, sorted_indices
 
 
+def sort_chunks_by_idxs(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,
+                        probs: Optional[torch.Tensor] = None, fused: bool = False):
+    """Drop-in for ``moe_utils.sort_chunks_by_idxs``: ``(input, probs)`` unchanged when ``sorted_idxs`` (a host
+    tensor, as the dispatcher keeps it without permute fusion) is ``0, 1, ..., n - 1``; else upstream's function."""
+    if (not fused and sorted_idxs.device.type == "cpu"
+            and torch.equal(sorted_idxs, torch.arange(sorted_idxs.numel(), dtype=sorted_idxs.dtype))):
+        return input, probs
+    return _upstream_sort_chunks(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+
+def keeps_counts_on_device(dispatcher) -> bool:
+    """Whether an all-to-all dispatcher runs on one EP x TP rank, dropless (``num_out_tokens`` a Python int)."""
+    return (dispatcher.ep_size == 1 and dispatcher.tp_size == 1 and not dispatcher.drop_and_pad
+            and isinstance(dispatcher.num_out_tokens, int))
+
+
+def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: Optional[torch.Tensor] = None):
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` that leaves everything on the device (no copy,
+    no wait) when :func:`keeps_counts_on_device`; upstream's method otherwise."""
+    if keeps_counts_on_device(self):
+        return tokens_per_expert
+    return _upstream_dtoh(self, point, tokens_per_expert)
+
+
 def install() -> None:
-    """Make megatron-core's token dispatchers use :func:`permute` (idempotent)."""
+    """Make megatron-core's token dispatchers use :func:`permute`, :func:`sort_chunks_by_idxs` and the device-side
+    counts of :func:`keeps_counts_on_device` (idempotent)."""
     token_dispatcher.permute = permute
+    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
+    token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
