@@ -111,6 +111,7 @@ def main(argv=None) -> int:
         sm.FWD_CONFIG.update(default_fwd)
         with torch.no_grad():
             o, lse = sm._sparse_mla_fwd(q.view(s, H, R), kv.view(s, R), prep[0], prep[1], 0.06)
+
         def bwd(passes=None):
             return sm._sparse_mla_bwd(go.view(s, H, R), q.view(s, H, R), kv.view(s, R), o, lse, prep[0], prep[1],
                                       0.06, passes=passes)
