@@ -30,7 +30,14 @@ BWD_SWEEP = [dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False
              # 8-10: the default with 4 warps, or 2 / 3 stages for the gathered rows
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2, split=False, vec_red=1),
-             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=3, split=False, vec_red=1)]
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=3, split=False, vec_red=1),
+             # 11: the fused kernel at 32 heads (the default until the transposed dkv kernel; fp32's default)
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
+             # 12-13: the default split (dq at 64 heads + transposed-form dkv) with 32 rows per dkv step, 4 programs/SM
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
+                  dkv=dict(form="dkv_t", BLOCK_N=32, programs_per_sm=8)),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
+                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=4))]
 
 
 def _rel(a, b) -> float:

@@ -36,8 +36,11 @@ def _random_selection(b, s, W, gen, hole_frac=0.2):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b,s,H,R,W", [(1, 200, 16, 64, 45), (2, 96, 20, 32, 70), (1, 130, 64, 128, 130)])
+@pytest.mark.parametrize("b,s,H,R,W", [(1, 200, 16, 64, 45), (2, 96, 20, 32, 70), (1, 130, 64, 128, 130),
+                                       (1, 160, 64, 512, 150), (1, 90, 96, 64, 100)])
 def test_kernel_matches_reference(dtype, b, s, H, R, W):
+    """Default tilings: bf16 runs the split backward (dq kernel + the transposed-form dkv kernel), fp32 the fused
+    one; the released widths (64 heads, latent 512) and a head count over one 64-head block are included."""
     from megatron_glm5.kernels.sparse_mla import sparse_mla, sparse_mla_reference
 
     gen = torch.Generator().manual_seed(s + H)
@@ -59,6 +62,36 @@ def test_kernel_matches_reference(dtype, b, s, H, R, W):
     e_o, e_q, e_k = _rel(out, ref), _rel(q.grad, qd.grad), _rel(kv.grad, kd.grad)
     print(f"{dtype} b={b} s={s} H={H} R={R} W={W}: out {e_o:.2e} dq {e_q:.2e} dkv {e_k:.2e}")
     assert e_o < tol and e_q < tol and e_k < 2 * tol
+
+
+@pytest.mark.parametrize("b,s,H,R,W", [(1, 200, 16, 64, 45), (1, 160, 64, 512, 150)])
+def test_fused_backward_in_bf16(monkeypatch, b, s, H, R, W):
+    """The single fused backward kernel (the fp32 default) stays right for bf16 too; and the transposed-form dkv
+    kernel gives the fused kernel's dkv, with every persistent program count (fewer programs than work items)."""
+    from megatron_glm5.kernels import sparse_mla as sm
+
+    gen = torch.Generator().manual_seed(11)
+    q = (torch.randn(b * s, H, R, generator=gen) * 0.5).cuda().to(torch.bfloat16)
+    kv = torch.randn(b * s, R, generator=gen).cuda().to(torch.bfloat16)
+    go = torch.randn(b * s, H, R, generator=gen).cuda().to(torch.bfloat16)
+    idx = _random_selection(b, s, W, gen).cuda()
+    idx_f, n_end = sm.prepare_indices(idx, s)
+    scale = R ** -0.5
+    o, lse = sm._sparse_mla_fwd(q, kv, idx_f, n_end, scale)
+    qd, kd = q.double().requires_grad_(True), kv.double().requires_grad_(True)
+    sm.sparse_mla_reference(qd.view(b, s, H, R), kd.view(b, s, R), idx, scale).backward(go.double().view(b, s, H, R))
+    results = {}
+    for name, cfg in (("split", dict(sm.BWD_CONFIG)), ("fused", dict(sm.BWD_CONFIG_FP32)),
+                      ("split, 3 programs", {**sm.BWD_CONFIG, "dkv": {**sm.BWD_CONFIG["dkv"], "programs": 3}})):
+        monkeypatch.setattr(sm, "BWD_CONFIG", cfg)
+        dq, dkv = sm._sparse_mla_bwd(go, q, kv, o, lse, idx_f, n_end, scale)
+        assert torch.isfinite(dq).all() and torch.isfinite(dkv).all(), name
+        results[name] = (dq, dkv)
+        e_q, e_k = _rel(dq, qd.grad), _rel(dkv, kd.grad)
+        print(f"{name} H={H} R={R}: dq {e_q:.2e} dkv {e_k:.2e}")
+        assert e_q < 1.5e-2 and e_k < 3e-2, name
+    assert _rel(results["split, 3 programs"][1], results["split"][1]) < 1e-5
+    assert _rel(results["split"][1], results["fused"][1]) < 1e-2
 
 
 def _dsa_pair(dtype, **over):

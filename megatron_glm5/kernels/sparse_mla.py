@@ -20,7 +20,11 @@ Kernels (one program per query and block of heads; ``BLOCK_N`` selected rows gat
 * forward: online softmax over the gathered latent rows; saves ``lse`` ``[T, H]`` (log2 units). ``O(T (H R + W))``
   memory, linear in the sequence length.
 * backward: recomputes ``P`` from ``lse``; ``dS = P (dO c^T - rowsum(dO o))``; ``dq_lat = scale dS c`` accumulated
-  in registers; ``dc = P^T dO + scale dS^T q_lat`` scattered with fp32 atomic adds into a ``[T, R]`` buffer.
+  in registers; ``dc = P^T dO + scale dS^T q_lat`` scattered with fp32 atomic adds into a ``[T, R]`` buffer. For
+  16-bit inputs it runs as two kernels with 64 heads per program: dq, and dc in the transposed form
+  ``dc^T = dO^T P + scale q_lat^T dS`` (``[R, BLOCK_N]`` per step), where q and dO are only ever the A operand of
+  the matrix products, so one shared-memory copy of each serves both of their products (the untransposed form needs
+  two and does not fit at 64 heads). fp32 inputs (tests, parity checks) run the single fused kernel.
 
 :func:`sparse_mla_reference` is the plain PyTorch reference (fp32 masked dense softmax over all positions,
 ``O(s^2)``, for tests). Kernel tiling lives in :data:`FWD_CONFIG` / :data:`BWD_CONFIG`.
@@ -42,14 +46,25 @@ except ImportError:  # pragma: no cover - depends on the machine
     tl = None
     HAVE_TRITON = False
 
-__all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG", "BWD_CONFIG", "HAVE_TRITON"]
+__all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG", "BWD_CONFIG", "BWD_CONFIG_FP32",
+           "HAVE_TRITON"]
 
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 """Forward tiling: heads per program (capped at the padded head count), selected rows per step, warps, stages."""
-BWD_CONFIG = dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1)
-"""Backward tiling; ``split=True`` runs dq and dkv as two kernels (less register pressure, recomputes P twice;
-optional ``dq`` / ``dkv`` sub-dicts give each its own tiling);
-``vec_red``: 1 = 16-byte vector reductions for dkv (sm_90 ``red.global.add.v4.f32``), 0 = scalar atomics."""
+BWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
+                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8))
+"""Backward tiling for 16-bit inputs; ``split=True`` runs dq and dkv as two kernels (recomputes P twice; optional
+``dq`` / ``dkv`` sub-dicts give each its own tiling); ``form="dkv_t"`` in the dkv pass selects the transposed-form
+kernel (:func:`_sparse_mla_bwd_dkv_t_kernel`, a persistent grid of ``programs_per_sm`` programs per multiprocessor,
+or ``programs`` in all);
+``vec_red``: 1 = 16-byte vector reductions for dkv in the fused kernel (sm_90 ``red.global.add.v4.f32``), 0 =
+scalar atomics."""
+BWD_CONFIG_FP32 = dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1)
+"""Backward tiling for fp32 inputs: the single fused kernel at 32 heads per program (fp32 q and dO would not fit in
+shared memory at 64 heads)."""
+_SMEM_BUDGET = 200 * 1024
+"""Shared-memory bytes a backward program may plan for (sm_90 allows 227 KiB per block); block sizes are halved
+until the estimate fits, so wider latents than the released 512 still compile."""
 
 _LOG2E = 1.4426950408889634
 
@@ -82,10 +97,10 @@ def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices
 if HAVE_TRITON:
 
     @triton.jit
-    def _program_query(Q, stride_qt, stride_qh, H, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-        """This program's query row ``t``, head / latent / slot offsets and its ``q [BLOCK_H, R]`` block."""
-        t = tl.program_id(0).to(tl.int64)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    def _program_query(Q, t, hb, stride_qt, stride_qh, H, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        """Query row ``t`` (int64), head block ``hb``: head / latent / slot offsets and its ``q [BLOCK_H, R]`` block."""
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, R)
         offs_nb = tl.arange(0, BLOCK_N)
         h_ok = offs_h < H
@@ -108,7 +123,8 @@ if HAVE_TRITON:
                                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
                                R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                PREC: tl.constexpr):
-        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
+        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
+                                                             stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         n_end = tl.load(NEND + tl.program_id(0))
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -170,7 +186,8 @@ if HAVE_TRITON:
                                PREC: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DKV: tl.constexpr,
                                VEC_RED: tl.constexpr):
         # O, DO and DQ share one layout (stride_ot, stride_oh); Q has its own; DKV is fp32 [T, R] contiguous.
-        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
+        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
+                                                             stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         o_off = t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
         do = tl.load(DO + o_off, mask=h_ok[:, None], other=0.0)
         o = tl.load(O + o_off, mask=h_ok[:, None], other=0.0)
@@ -193,6 +210,51 @@ if HAVE_TRITON:
                 _red_add_rows(DKV, rows, ok, dkv, R, BLOCK_N, VEC_RED)
         if COMPUTE_DQ:
             tl.store(DQ + o_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
+
+    @triton.jit
+    def _sparse_mla_bwd_dkv_t_kernel(Q, KV, O, DO, LSE, IDX, NEND, DKV, SCRATCH, qk_scale, sm_scale,
+                                     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, T, H,
+                                     N_HBLOCKS, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     PREC: tl.constexpr):
+        """dkv alone, as ``dkv^T = dO^T P + scale q^T dS`` (``[R, BLOCK_N]`` per step), scattered with fp32 atomics.
+
+        q and dO ``[BLOCK_H, R]`` are the A operand of every product (``S = q c^T``, ``dP = dO c^T`` and, transposed,
+        of ``dkv^T``), so one shared-memory copy of each serves both uses. Persistent: program ``pid`` takes the work
+        items ``pid, pid + num_programs, ...`` (item = query row x head block). ``P`` and ``scale dS`` (the B
+        operands of ``dkv^T``) pass through this program's ``SCRATCH`` ``[2, BLOCK_H, BLOCK_N]`` (L1/L2-resident):
+        the Triton of torch 2.11 (3.6) on sm_90 gives wrong dkv when a matrix-product result goes to shared memory
+        as a B operand directly (the FLA / Triton Hopper reports for 3.4 - 3.7.0); loaded back, it has a plain
+        blocked layout.
+        """
+        pid = tl.program_id(0)
+        scr = SCRATCH + pid.to(tl.int64) * (2 * BLOCK_H * BLOCK_N)
+        offs_s = tl.arange(0, BLOCK_H)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        for work in range(pid, T * N_HBLOCKS, tl.num_programs(0)):
+            t = (work // N_HBLOCKS).to(tl.int64)
+            t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, t, work % N_HBLOCKS, stride_qt, stride_qh, H, R,
+                                                                 BLOCK_H, BLOCK_N)
+            o_off = t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
+            do = tl.load(DO + o_off, mask=h_ok[:, None], other=0.0)
+            o = tl.load(O + o_off, mask=h_ok[:, None], other=0.0)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                  # [BLOCK_H]
+            lse = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf"))
+            n_end = tl.load(NEND + t)
+            for n0 in range(0, n_end, BLOCK_N):
+                rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+                s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
+                p = tl.math.exp2(s - lse[:, None])
+                p = tl.where(ok[None, :], p, 0.0)
+                dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
+                ds = p * (dp - delta[:, None])
+                tl.store(scr + offs_s, p.to(SCRATCH.dtype.element_ty))
+                tl.store(scr + BLOCK_H * BLOCK_N + offs_s, (ds * sm_scale).to(SCRATCH.dtype.element_ty))
+                tl.debug_barrier()
+                p_b = tl.load(scr + offs_s)
+                ds_b = tl.load(scr + BLOCK_H * BLOCK_N + offs_s)
+                dkv_t = tl.dot(tl.trans(do), p_b, input_precision=PREC)                  # [R, BLOCK_N]
+                dkv_t += tl.dot(tl.trans(q), ds_b, input_precision=PREC)
+                tl.debug_barrier()                                # all reads of the scratch done before the next step
+                tl.atomic_add(DKV + rows[None, :] * R + offs_r[:, None], dkv_t, mask=ok[None, :], sem="relaxed")
 
 
 def _block_h(H: int, cap: int) -> int:
@@ -221,11 +283,13 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
     return o, lse
 
 
-def _bwd_passes(cfg: dict, passes=None):
+def _bwd_passes(cfg: dict, passes=None, R: int = 0, elem_bytes: int = 2):
     """Kernel launches of the backward for a :data:`BWD_CONFIG`: ``[(compute_dq, compute_dkv, tiling)]``.
 
     ``split`` runs dq and dkv as two launches whose tilings may differ (optional ``dq`` / ``dkv`` sub-dicts
-    override the shared keys); ``passes`` (benchmarks) picks explicit ``(compute_dq, compute_dkv)`` launches."""
+    override the shared keys); ``passes`` (benchmarks) picks explicit ``(compute_dq, compute_dkv)`` launches.
+    With ``R`` given, each tiling's ``BLOCK_N`` then ``BLOCK_H`` are halved (not below 16) until its shared-memory
+    estimate fits :data:`_SMEM_BUDGET`."""
     base = {k: v for k, v in cfg.items() if k not in ("split", "dq", "dkv")}
     split = bool(cfg.get("split"))
     if passes is None:
@@ -233,8 +297,27 @@ def _bwd_passes(cfg: dict, passes=None):
     out = []
     for dq, dkv in passes:
         own = cfg.get("dq", {}) if dq and not dkv else cfg.get("dkv", {}) if dkv and not dq else {}
-        out.append((dq, dkv, {**base, **(own if split else {})}))
+        tiling = {**base, **(own if split else {})}
+        if not (dkv and not dq):
+            tiling.pop("form", None)                    # the transposed form computes dkv alone
+        out.append((dq, dkv, _fit_shared_memory(tiling, dq and dkv, R, elem_bytes) if R else tiling))
     return out
+
+
+def _fit_shared_memory(tiling: dict, fused: bool, R: int, elem_bytes: int) -> dict:
+    """``tiling`` with ``BLOCK_N``, then ``BLOCK_H``, halved until the staged operands fit: q and dO
+    ``[BLOCK_H, R]`` (twice each in the fused kernel, which also needs their transposed copies) and the gathered rows
+    ``[BLOCK_N, R]``."""
+    t = dict(tiling)
+
+    def need():
+        return ((4 if fused else 2) * t["BLOCK_H"] + t["BLOCK_N"]) * R * elem_bytes
+
+    while need() > _SMEM_BUDGET and t["BLOCK_N"] > 16:
+        t["BLOCK_N"] //= 2
+    while need() > _SMEM_BUDGET and t["BLOCK_H"] > 16:
+        t["BLOCK_H"] //= 2
+    return t
 
 
 def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
@@ -246,9 +329,23 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
     do = do.contiguous()
     dq = torch.empty_like(o)
     dkv = torch.zeros(T, R, device=kv.device, dtype=torch.float32)
-    for compute_dq, compute_dkv, cfg in _bwd_passes(BWD_CONFIG, passes):
+    half = q.element_size() == 2               # fp32 products run without tensor cores (ieee): no staging to fit
+    for compute_dq, compute_dkv, cfg in _bwd_passes(BWD_CONFIG if half else BWD_CONFIG_FP32, passes,
+                                                    R if half else 0):
         bh = _block_h(H, cfg["BLOCK_H"])
-        _sparse_mla_bwd_kernel[(T, triton.cdiv(H, bh))](
+        n_hblocks = triton.cdiv(H, bh)
+        if cfg.get("form") == "dkv_t":
+            programs = cfg.get("programs") or (torch.cuda.get_device_properties(q.device).multi_processor_count
+                                               * int(cfg.get("programs_per_sm", 8)))
+            programs = max(1, min(T * n_hblocks, int(programs)))
+            scratch = torch.empty(programs, 2, bh, cfg["BLOCK_N"], device=q.device, dtype=q.dtype)
+            _sparse_mla_bwd_dkv_t_kernel[(programs,)](
+                q, kv, o, do, lse, idx, n_end, dkv, scratch, scale * _LOG2E, scale,
+                q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), T, H, n_hblocks,
+                R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            continue
+        _sparse_mla_bwd_kernel[(T, n_hblocks)](
             q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), H,
             R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
