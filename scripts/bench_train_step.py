@@ -199,6 +199,31 @@ def profile_step(step, dev: str, top: int, out_path: str = None) -> str:
     return table
 
 
+def sync_sites(step, top: int = 25) -> str:
+    """One step under ``torch.cuda.set_sync_debug_mode('warn')``: the Python call sites of every operation that
+    made the host wait for the GPU (each one drains the launch queue, leaving the GPU idle while the host catches
+    up), most frequent first."""
+    import collections
+    import warnings
+
+    import torch
+
+    sites = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}"] += 1
+    lines = [f"{n:5d}  {site}" for site, n in sites.most_common(top)]
+    return f"{sum(sites.values())} synchronizing operations in one step\n" + "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", default="2048,4096,8192,16384,32768")
@@ -214,6 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--recompute-from", type=int, default=16384)
     p.add_argument("--profile-seq", type=int, default=4096, help="0: no profile")
     p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--sync-sites", action="store_true", help="list the host-synchronizing call sites of our step at "
+                   "--profile-seq (torch.cuda.set_sync_debug_mode)")
     p.add_argument("--ours-backends", default="", help="e.g. kda_backend=fla,dsa_backend=torch (default: "
                                                          "default_backends('cuda'))")
     p.add_argument("--out", default="", help="write the results as JSON here (profile table next to it)")
@@ -267,6 +294,8 @@ def main(argv=None) -> int:
                 if kind == "ours" and s == a.profile_seq:
                     path = (os.path.splitext(a.out)[0] + f"_profile_{s}.txt") if a.out else None
                     profile_table = profile_step(step, dev, a.profile_top, path)
+                    if a.sync_sites and dev == "cuda":
+                        print(f"[ours] s={s:6d}: {sync_sites(step)}", flush=True)
             except torch.OutOfMemoryError:
                 rec["oom"] = True
                 print(f"[{kind}] s={s:6d}: OOM", flush=True)

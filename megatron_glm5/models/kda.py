@@ -44,7 +44,7 @@ from megatron.core.transformer.utils import (
 from megatron_glm5.models.linear import linear_output
 from megatron_glm5.models.params import param_device
 from megatron_glm5.config import Glm5Config
-from megatron_glm5.models.packing import document_starts, row_boundaries, row_cu_seqlens
+from megatron_glm5.models.packing import document_starts, fla_cu_seqlens, row_cu_seqlens
 from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout
 
 __all__ = [
@@ -573,8 +573,7 @@ class KimiDeltaAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None:
             if b != 1:
                 raise ValueError(f"packed rows need batch size 1, got {b}")
-            cu_cpu = torch.tensor(_flat_cu_seqlens(row_boundaries(packed_seq_params, s), 1, s), dtype=torch.long)
-            cu = cu_cpu.to(x.device, non_blocking=True)
+            cu, cu_cpu = fla_cu_seqlens(packed_seq_params, s, x.device)
 
         def batch_first(t):  # [s, b, c] -> [b, s, c] (a free view for b = 1)
             return t.view(1, s, t.shape[-1]) if b == 1 else t.transpose(0, 1).contiguous()

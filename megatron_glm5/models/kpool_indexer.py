@@ -35,6 +35,7 @@ with a separate objective, if at all).
 
 from __future__ import annotations
 
+import bisect
 from typing import Optional, Tuple
 
 import torch
@@ -46,7 +47,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_glm5.kernels import indexer_scores
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence, sequence_layout
 from megatron_glm5.models.linear import ReplicatedLinear
-from megatron_glm5.models.packing import document_ids, document_starts
+from megatron_glm5.models.packing import document_ids, document_starts, row_boundaries, to_device_async
 from megatron_glm5.models.params import mark_replicated, param_device
 
 __all__ = ["KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]
@@ -203,9 +204,14 @@ class KPoolIndexer(MegatronModule):
         keys = gather_sequence(keys, layout.cp_group, seq_dim=1)                   # [b, S, D]
         gates = gather_sequence(gates, layout.cp_group, seq_dim=1)                 # [b, S, D]
 
-        pool_tokens, pool_doc = kpool_pool_layout(cu, kp)                          # [P, kp], [P]
+        # the pool layout and the chunks' candidate ranges come from the boundaries on the host: built from the
+        # device copy they would make the host wait for the GPU (output sizes, .item()) several times per layer
+        bounds = row_boundaries(packed_seq_params, S) if layout.cp_size == 1 else cu.tolist()
+        pool_tokens_h, pool_doc_h = kpool_pool_layout(torch.tensor(bounds, dtype=torch.long), kp)  # host
+        pool_end_h = pool_tokens_h[:, -1].contiguous()
+        pool_tokens, pool_doc, pool_end = (to_device_async(t, device)
+                                           for t in (pool_tokens_h, pool_doc_h, pool_end_h))  # [P, kp], [P], [P]
         n_pools = pool_doc.numel()
-        pool_end = pool_tokens[:, -1].contiguous()                                 # [P]
         pool_keys = self.pooled_keys(keys, gates, pool_tokens).float()                # [b, P, D]
         doc = document_ids(cu, S)[off:off + s]                                     # [s]
 
@@ -218,9 +224,9 @@ class KPoolIndexer(MegatronModule):
             e = min(s, a + chunk)
             # Candidate pools of this chunk form one contiguous range: from the first pool of the chunk's first
             # document up to the last pool that ends at or before the chunk's last query.
-            lo = int(torch.searchsorted(pool_doc, doc[a:a + 1]).item()) if n_pools else 0
-            hi = int(torch.searchsorted(pool_end, torch.tensor([off + e - 1], device=device), right=True).item()) \
-                if n_pools else 0
+            first_doc = bisect.bisect_right(bounds, off + a) - 1                   # document of query off + a
+            lo = int(torch.searchsorted(pool_doc_h, torch.tensor([first_doc])).item()) if n_pools else 0
+            hi = int(torch.searchsorted(pool_end_h, torch.tensor([off + e - 1]), right=True).item()) if n_pools else 0
             if hi <= lo:
                 continue
             pos = torch.arange(off + a, off + e, device=device)

@@ -41,6 +41,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megatron_glm5.config import Glm5Config
+from megatron_glm5.kernels.cross_entropy import vocab_parallel_cross_entropy
 from megatron_glm5.models.context_parallel import local_image_features, mtp_loss_terms, roll_left_in_documents
 from megatron_glm5.models.layer_specs import get_layer_spec, get_mtp_block_spec, get_stage_layer_range
 from megatron_glm5.models.mhc import contract_streams, expand_streams
@@ -255,9 +256,9 @@ class Glm5Model(LanguageModule):
         """input_ids [b, s] (b = 1 with packed_seq_params for a packed row).
 
         Returns logits [b, s, vocab] (vocab-parallel unless parallel_output=False) without labels, the per-token
-        loss [b, s] (megatron's vocab-parallel cross entropy) with labels; on a non-last PP stage the streams
-        [s(/tp), b, n*h] for the next stage. ``attention_mask`` and ``position_ids`` are ignored (causality and
-        document boundaries come from the mixers and ``packed_seq_params``; the LM is NoPE). ``padding_mask``
+        loss [b, s] (vocab-parallel cross entropy, :meth:`compute_language_model_loss`) with labels; on a non-last
+        PP stage the streams [s(/tp), b, n*h] for the next stage. ``attention_mask`` and ``position_ids`` are
+        ignored (causality and document boundaries come from the mixers and ``packed_seq_params``; the LM is NoPE). ``padding_mask``
         [b, s] bool (True = padding, e.g. the tokens a CP split appends; megatron GPTModel's argument): the MoE
         routers (decoder and MTP) leave those tokens out of the expert loads and aux losses, so padding changes
         neither the expert-bias update nor the aux loss. Give it on every pipeline stage.
@@ -290,10 +291,14 @@ class Glm5Model(LanguageModule):
 
     def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """logits [s, b, vocab(/tp)], labels [b, s] -> per-token loss [b, s] (``compute_language_model_loss``)."""
-        if not self.parallel_output:
-            # megatron's CE subtracts the max in place; a gathered output can be a view autograd must not see change
-            logits = logits.clone()
         return self.compute_language_model_loss(labels, logits)
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy [b, s] of logits [s, b, vocab(/tp)] and labels [b, s]: megatron-core's
+        vocab-parallel function, computed by ``kernels/cross_entropy.py`` (one pass over the logits each way on
+        CUDA, the logits left unmodified); gathered logits (``parallel_output=False``) are the whole vocabulary."""
+        group = self.pg_collection.tp if self.parallel_output else None
+        return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group).transpose(0, 1).contiguous()
 
     def _add_mtp_loss(self, hidden, input_ids, labels, loss_mask, packed_seq_params):
         """Run the MTP block on the final-normed ``hidden`` [s(/tp), b, h] (megatron-core's GPTModel contract: its

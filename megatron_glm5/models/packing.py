@@ -6,7 +6,7 @@ at the row length). Without packing every batch row is one document.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -42,6 +42,28 @@ def row_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], seq_len: int, d
     if device not in on_device:
         on_device[device] = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
     return on_device[device]
+
+
+def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait: staged through pinned memory and copied with
+    ``non_blocking`` (a copy from pageable memory waits for all queued GPU work first)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def fla_cu_seqlens(packed_seq_params: PackedSeqParams, seq_len: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(on device, on host)`` int64 boundaries of a packed row for FLA's varlen kernels (``cu_seqlens`` /
+    ``cu_seqlens_cpu``): the same two tensor objects for every layer of the step and its backward, because FLA
+    caches its chunk indices by tensor identity and builds them again, with a host-synchronizing copy, for a new
+    object."""
+    row, cache = _checked_row(packed_seq_params, seq_len)
+    key = ("fla", torch.device(device))
+    if key not in cache:
+        host = torch.tensor(row, dtype=torch.long)
+        cache[key] = (to_device_async(host, device), host)
+    return cache[key]
 
 
 def row_boundaries(packed_seq_params: Optional[PackedSeqParams], seq_len: int) -> List[int]:
