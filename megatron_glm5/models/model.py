@@ -255,13 +255,13 @@ class Glm5Model(LanguageModule):
                 padding_mask: Optional[torch.Tensor] = None):
         """input_ids [b, s] (b = 1 with packed_seq_params for a packed row).
 
-        Returns logits [b, s, vocab] (vocab-parallel unless parallel_output=False) without labels, the per-token
-        loss [b, s] (vocab-parallel cross entropy, :meth:`compute_language_model_loss`) with labels; on a non-last
-        PP stage the streams [s(/tp), b, n*h] for the next stage. ``attention_mask`` and ``position_ids`` are
-        ignored (causality and document boundaries come from the mixers and ``packed_seq_params``; the LM is NoPE). ``padding_mask``
-        [b, s] bool (True = padding, e.g. the tokens a CP split appends; megatron GPTModel's argument): the MoE
-        routers (decoder and MTP) leave those tokens out of the expert loads and aux losses, so padding changes
-        neither the expert-bias update nor the aux loss. Give it on every pipeline stage.
+        Returns logits [b, s, vocab] (vocab-parallel unless parallel_output=False) without labels, the per-token loss
+        [b, s] (vocab-parallel cross entropy, :meth:`compute_language_model_loss`) with labels; on a non-last PP stage
+        the streams [s(/tp), b, n*h] for the next stage. ``attention_mask`` and ``position_ids`` are ignored
+        (causality and document boundaries come from the mixers and ``packed_seq_params``; the LM is NoPE).
+        ``padding_mask`` [b, s] bool (True = padding, e.g. the tokens a CP split appends; megatron GPTModel's
+        argument): the MoE routers (decoder and MTP) leave those tokens out of the expert loads and aux losses, so
+        padding changes neither the expert-bias update nor the aux loss. Give it on every pipeline stage.
         """
         if self.pre_process:
             emb = self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params)
