@@ -18,7 +18,8 @@ import sys
 FWD_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
              dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2)]
-BWD_SWEEP = [dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
+BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0 was the default before the transposed-form dkv kernel)
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=0),
              dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1),

@@ -22,8 +22,8 @@ def default_backends(device: str) -> dict:
     """Fast paths where they are available, on CUDA: the Triton sparse MLA kernel for DSA, grouped-GEMM experts
     and ``kda_backend='fla_fused'`` for KDA (FLA's conv / in-kernel gates / fused gated norm around chunk_kda; its
     GPU test against the 'torch' layer passed on an H200 on 2026-12-03); the PyTorch references (and megatron-core's
-    SequentialMLP) on CPU. (The mHC and expert-GLU Triton kernels need no backend setting: they run whenever the
-    tensors are on CUDA and triton is installed.)"""
+    SequentialMLP) on CPU. (The mHC, expert-GLU and cross-entropy Triton kernels need no backend setting: they run
+    whenever the tensors are on CUDA and triton is installed.)"""
     reference = {"kda_backend": "torch", "dsa_backend": "torch", "moe_experts_backend": "sequential"}
     if str(device).split(":")[0] != "cuda":
         return reference
