@@ -218,7 +218,7 @@ def sync_sites(step, top: int = 25) -> str:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
-        if "synchroniz" in str(w.message):
+        if "called a synchronizing CUDA operation" in str(w.message):
             sites[f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}"] += 1
     lines = [f"{n:5d}  {site}" for site, n in sites.most_common(top)]
     return f"{sum(sites.values())} synchronizing operations in one step\n" + "\n".join(lines)

@@ -92,3 +92,20 @@ def test_row_boundaries_checked_once_per_packed_seq_params(monkeypatch):
     psp.cu_seqlens_q = torch.tensor([0, 14, 12, 24], dtype=torch.int32)
     with pytest.raises(ValueError, match="non-decreasing"):
         packing.row_boundaries(psp, 24)
+
+
+def test_fla_cu_seqlens_are_the_same_objects_for_every_layer():
+    """FLA caches its chunk indices by tensor identity: every KDA layer of a step (and its backward) must get the
+    same two int64 boundary tensors, or each layer rebuilds them with a host-synchronizing copy."""
+    from megatron_glm5.models import packing
+
+    psp = make_packed_seq_params(torch.tensor([0, 5, 9, 24]))
+    dev, host = packing.fla_cu_seqlens(psp, 24, "cpu")
+    assert dev.dtype == host.dtype == torch.int64 and dev.tolist() == host.tolist() == [0, 5, 9, 24]
+    for _ in range(3):
+        again = packing.fla_cu_seqlens(psp, 24, "cpu")
+        assert again[0] is dev and again[1] is host
+    psp.cu_seqlens_q = torch.tensor([0, 12, 24], dtype=torch.int32)   # a new row: new tensors
+    assert packing.fla_cu_seqlens(psp, 24, "cpu")[1].tolist() == [0, 12, 24]
+    t = torch.arange(6).view(2, 3)
+    assert packing.to_device_async(t, "cpu").equal(t)
