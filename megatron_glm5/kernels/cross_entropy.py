@@ -25,15 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-try:  # triton is optional: CPU machines run the reference only
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["vocab_parallel_cross_entropy", "row_stats", "row_stats_reference", "softmax_grad",
            "softmax_grad_reference"]

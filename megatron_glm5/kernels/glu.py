@@ -16,13 +16,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    HAVE_TRITON = False
+from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "clamped_swiglu"]
 

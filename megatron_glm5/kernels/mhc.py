@@ -35,13 +35,7 @@ from typing import Callable, Tuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    HAVE_TRITON = False
+from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "hyper_connection", "apply_output", "mixes_reference", "collapse_reference",
            "apply_output_reference"]

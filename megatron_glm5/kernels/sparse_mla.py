@@ -36,15 +36,7 @@ from typing import Optional, Tuple
 
 import torch
 
-try:  # triton is optional: CPU machines run the reference only
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG", "BWD_CONFIG", "BWD_CONFIG_FP32",
            "HAVE_TRITON"]
@@ -180,6 +172,16 @@ if HAVE_TRITON:
                 tl.atomic_add(ptr + 3, x3 * 1.0, mask=m, sem="relaxed")
 
     @triton.jit
+    def _recompute_p_ds(q, do, kv, ok, lse, delta, qk_scale, PREC: tl.constexpr):
+        """``P = exp2(scale q c^T - lse)`` (0 on unused slots) and ``dS = P (dO c^T - delta)``, ``[BLOCK_H, BLOCK_N]``
+        fp32, for the gathered rows ``kv`` of one backward step."""
+        s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        p = tl.where(ok[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
+        return p, p * (dp - delta[:, None])
+
+    @triton.jit
     def _sparse_mla_bwd_kernel(Q, KV, O, DO, LSE, IDX, NEND, DQ, DKV, qk_scale, sm_scale,
                                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
                                R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -197,11 +199,7 @@ if HAVE_TRITON:
         dq = tl.zeros([BLOCK_H, R], tl.float32)
         for n0 in range(0, n_end, BLOCK_N):
             rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
-            p = tl.math.exp2(s - lse[:, None])
-            p = tl.where(ok[None, :], p, 0.0)
-            dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
+            p, ds = _recompute_p_ds(q, do, kv, ok, lse, delta, qk_scale, PREC)
             if COMPUTE_DQ:
                 dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PREC)
             if COMPUTE_DKV:
@@ -241,11 +239,7 @@ if HAVE_TRITON:
             n_end = tl.load(NEND + t)
             for n0 in range(0, n_end, BLOCK_N):
                 rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
-                s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
-                p = tl.math.exp2(s - lse[:, None])
-                p = tl.where(ok[None, :], p, 0.0)
-                dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
-                ds = p * (dp - delta[:, None])
+                p, ds = _recompute_p_ds(q, do, kv, ok, lse, delta, qk_scale, PREC)
                 tl.store(scr + offs_s, p.to(SCRATCH.dtype.element_ty))
                 tl.store(scr + BLOCK_H * BLOCK_N + offs_s, (ds * sm_scale).to(SCRATCH.dtype.element_ty))
                 tl.debug_barrier()
