@@ -106,3 +106,23 @@ def test_triton_kernels_match_references(dtype, n, v):
     assert torch.isfinite(dx).all()
     tol = 1e-6 if dtype == torch.float32 else 8e-3
     assert ((dx.float() - dref.float()).norm() / dref.float().norm()) < tol
+
+
+def test_model_loss_is_cross_entropy_of_its_logits(tmp_path, mcore):
+    """The model's per-token loss [b, s] (labels path) is F.cross_entropy of the logits it returns without labels."""
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.config import tiny_hf_config
+    from megatron_glm5.models.builder import build_model_from_hf
+
+    ckpt = write_checkpoint(str(tmp_path / "ckpt"), tiny_hf_config(with_vision=False), fmt="fp32", seed=3)
+    model = build_model_from_hf(ckpt, mtp_num_layers=None)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 240, (2, 19), generator=g)
+    labels = torch.randint(0, model.config.vocab_size, (2, 19), generator=g)
+    with torch.no_grad():
+        loss = model(ids, labels=labels)
+        logits = model(ids)
+    assert loss.shape == (2, 19) and logits.shape[:2] == (2, 19)
+    ref = torch.nn.functional.cross_entropy(logits.double().reshape(38, -1), labels.reshape(-1),
+                                            reduction="none").view(2, 19)
+    assert (loss.double() - ref).abs().max() / ref.abs().max() < 1e-6
