@@ -287,10 +287,6 @@ class Glm5Model(LanguageModule):
         logits = self.output_logits(hidden)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        return self._token_loss(logits, labels)
-
-    def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """logits [s, b, vocab(/tp)], labels [b, s] -> per-token loss [b, s] (``compute_language_model_loss``)."""
         return self.compute_language_model_loss(labels, logits)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -317,7 +313,7 @@ class Glm5Model(LanguageModule):
             # contiguous CP chunks: shifts and loss cross chunk edges (models/context_parallel.py)
             mtp_labels = roll_left_in_documents(mtp_labels, packed_seq_params, cp_group)
             loss_mask = roll_left_in_documents(loss_mask, packed_seq_params, cp_group)
-            mtp_loss = self._token_loss(self.output_logits(chunks[depth + 1]), mtp_labels.clamp(min=0))
+            mtp_loss = self.compute_language_model_loss(mtp_labels.clamp(min=0), self.output_logits(chunks[depth + 1]))
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
             # the row's MTP mean (logging) and this rank's objective: summed in per-token-loss runs (the step divides
             # by the global token count, as megatron's GPTModel), else cp x its share of the row's mean
