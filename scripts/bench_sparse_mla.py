@@ -18,7 +18,7 @@ import sys
 FWD_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
              dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2)]
-BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0 was the default before the transposed-form dkv kernel)
+BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0: the default before the transposed-form dkv kernel, fp32's)
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=0),
              dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1, split=False, vec_red=1),
@@ -32,9 +32,7 @@ BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0 was the default before 
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=3, split=False, vec_red=1),
-             # 11: the fused kernel at 32 heads (the default until the transposed dkv kernel; fp32's default)
-             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
-             # 12-13: the default split (dq at 64 heads + transposed-form dkv) with 32 rows per dkv step, 4 programs/SM
+             # 11-12: the default split (dq at 64 heads + transposed-form dkv) with 32 rows per dkv step, 4 programs/SM
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
                   dkv=dict(form="dkv_t", BLOCK_N=32, programs_per_sm=8)),
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,

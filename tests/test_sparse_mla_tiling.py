@@ -11,7 +11,7 @@ def _smem(t, fused, R, elem):
 
 
 def test_bf16_default_is_dq_kernel_then_transposed_dkv_kernel():
-    plan = sm._bwd_passes(sm.BWD_CONFIG, None, 512, 2)
+    plan = sm._bwd_passes(sm.BWD_CONFIG, None, 512)
     assert [(dq, dkv) for dq, dkv, _ in plan] == [(True, False), (False, True)]
     dq_t, dkv_t = plan[0][2], plan[1][2]
     assert "form" not in dq_t and dq_t["BLOCK_H"] == 64 and dq_t["BLOCK_N"] == 32
@@ -21,7 +21,7 @@ def test_bf16_default_is_dq_kernel_then_transposed_dkv_kernel():
 
 
 def test_fp32_default_is_the_fused_kernel_unfitted():
-    plan = sm._bwd_passes(sm.BWD_CONFIG_FP32, None, 0, 4)
+    plan = sm._bwd_passes(sm.BWD_CONFIG_FP32, None, 0)
     assert len(plan) == 1 and plan[0][:2] == (True, True)
     assert plan[0][2]["BLOCK_H"] == 32 and "form" not in plan[0][2]
 
@@ -29,16 +29,16 @@ def test_fp32_default_is_the_fused_kernel_unfitted():
 @pytest.mark.parametrize("R", [16, 64, 512, 1024, 2048])
 def test_every_tiling_fits_the_budget(R):
     for cfg in (sm.BWD_CONFIG, sm.BWD_CONFIG_FP32):
-        for dq, dkv, t in sm._bwd_passes(cfg, None, R, 2):
+        for dq, dkv, t in sm._bwd_passes(cfg, None, R):
             assert _smem(t, dq and dkv, R, 2) <= sm._SMEM_BUDGET or (t["BLOCK_H"] == 16 and t["BLOCK_N"] == 16)
             assert t["BLOCK_H"] >= 16 and t["BLOCK_N"] >= 16
-    wide = sm._bwd_passes(sm.BWD_CONFIG, None, 1024, 2)
+    wide = sm._bwd_passes(sm.BWD_CONFIG, None, 1024)
     assert (wide[0][2]["BLOCK_H"], wide[0][2]["BLOCK_N"]) == (32, 16)          # 160 KiB at latent 1024
     assert (wide[1][2]["BLOCK_H"], wide[1][2]["BLOCK_N"]) == (32, 16)
 
 
 def test_explicit_passes_pick_their_own_tilings():
-    plan = sm._bwd_passes(sm.BWD_CONFIG, [(False, True)], 512, 2)
+    plan = sm._bwd_passes(sm.BWD_CONFIG, [(False, True)], 512)
     assert len(plan) == 1 and plan[0][2]["form"] == "dkv_t"
-    fused = sm._bwd_passes(sm.BWD_CONFIG, [(True, True)], 512, 2)
+    fused = sm._bwd_passes(sm.BWD_CONFIG, [(True, True)], 512)
     assert "form" not in fused[0][2]                                           # the fused kernel has no dkv^T form

@@ -277,7 +277,7 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
     return o, lse
 
 
-def _bwd_passes(cfg: dict, passes=None, R: int = 0, elem_bytes: int = 2):
+def _bwd_passes(cfg: dict, passes=None, R: int = 0):
     """Kernel launches of the backward for a :data:`BWD_CONFIG`: ``[(compute_dq, compute_dkv, tiling)]``.
 
     ``split`` runs dq and dkv as two launches whose tilings may differ (optional ``dq`` / ``dkv`` sub-dicts
@@ -294,18 +294,18 @@ def _bwd_passes(cfg: dict, passes=None, R: int = 0, elem_bytes: int = 2):
         tiling = {**base, **(own if split else {})}
         if not (dkv and not dq):
             tiling.pop("form", None)                    # the transposed form computes dkv alone
-        out.append((dq, dkv, _fit_shared_memory(tiling, dq and dkv, R, elem_bytes) if R else tiling))
+        out.append((dq, dkv, _fit_shared_memory(tiling, dq and dkv, R) if R else tiling))
     return out
 
 
-def _fit_shared_memory(tiling: dict, fused: bool, R: int, elem_bytes: int) -> dict:
+def _fit_shared_memory(tiling: dict, fused: bool, R: int) -> dict:
     """``tiling`` with ``BLOCK_N``, then ``BLOCK_H``, halved until the staged operands fit: q and dO
     ``[BLOCK_H, R]`` (twice each in the fused kernel, which also needs their transposed copies) and the gathered rows
     ``[BLOCK_N, R]``."""
     t = dict(tiling)
 
     def need():
-        return ((4 if fused else 2) * t["BLOCK_H"] + t["BLOCK_N"]) * R * elem_bytes
+        return ((4 if fused else 2) * t["BLOCK_H"] + t["BLOCK_N"]) * R * 2          # 16-bit operands
 
     while need() > _SMEM_BUDGET and t["BLOCK_N"] > 16:
         t["BLOCK_N"] //= 2
