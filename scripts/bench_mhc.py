@@ -85,6 +85,27 @@ def main(argv=None) -> int:
             print(f"s={s:6d}   apply fwd+bwd, bwd columns {columns:5d}  {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s",
                   flush=True)
         K.APPLY_BWD_COLUMNS = default_columns
+        default_tile = K._BWD_TILE_ELEMENTS
+        for tile in (2048, 8192, 16384):  # elements of the backward's [n * n, columns] d_comb tile
+            K._BWD_TILE_ELEMENTS = tile
+            fn, nbytes = kernels["apply fwd+bwd"]
+            t = cuda_time(fn, a.iters)
+            print(f"s={s:6d}   apply fwd+bwd, bwd tile {tile:6d}       {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s",
+                  flush=True)
+        K._BWD_TILE_ELEMENTS = default_tile
+        x2 = flat.view(s, n * h)
+        dz = torch.randn(s, K._np2((2 + n) * n, 16), device=dev)
+        c = torch.randn(s, device=dev)
+        pre = torch.rand(s, n, device=dev)
+        dcol = g_col.view(s, h)
+        default_programs = K.PROJ_BWD_PROGRAMS_PER_SM
+        for programs in (4, 8, 16):  # programs per SM of the projection backward
+            K.PROJ_BWD_PROGRAMS_PER_SM = programs
+            t = cuda_time(lambda: K._proj_bwd(x2, hc.fn, dz, c, pre, dcol, n, h), a.iters)
+            nbytes = 2 * sb + yb
+            print(f"s={s:6d}   proj bwd, {programs:2d} programs per SM      {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s",
+                  flush=True)
+        K.PROJ_BWD_PROGRAMS_PER_SM = default_programs
     return 0
 
 

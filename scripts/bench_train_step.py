@@ -16,7 +16,8 @@ at the start (``N`` = active parameters: everything but the embedding and the vi
 at ``--profile-seq``. Lengths from ``--recompute-from`` on run with full activation recompute in both models
 (transformers' gradient checkpointing, our ``recompute_granularity='full'``); an OOM is reported, not fatal.
 ``--sync-sites`` also lists the call sites that make the host wait for the GPU during our step at ``--profile-seq``
-(each one empties the launch queue; the step had none on 2026-12-03).
+(each one empties the launch queue; the step had none on 2026-12-03). ``--trace`` traces that step with Python
+stacks and reports the GPU's idle time charged to the frames that launched the kernel after each gap.
 """
 
 from __future__ import annotations
@@ -201,6 +202,95 @@ def profile_step(step, dev: str, top: int, out_path: str = None) -> str:
     return table
 
 
+def gpu_idle_report(trace: dict, top: int = 25) -> str:
+    """Where the GPU waits for the host in one profiled step (a chrome trace dict of ``torch.profiler`` taken with
+    ``with_stack=True``). The step's window runs from its first kernel's start to its last kernel's end; the idle
+    time is that window minus the union of the kernels' intervals. Each idle gap is charged to what was launching
+    the kernel that ended it: the innermost Python frame in this repository (``megatron_glm5/`` or ``scripts/``),
+    the innermost Python frame of all, the innermost operator (``cpu_op``: the autograd engine's backward nodes
+    show there) and the kernel itself, each ranked by idle milliseconds."""
+    import collections
+
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return "no GPU kernels in the trace"
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+    gaps = []  # (idle microseconds, kernel, its launch event or None)
+    busy_end = kernels[0]["ts"] + kernels[0]["dur"]
+    for k in kernels[1:]:
+        if k["ts"] - busy_end > 1.0:
+            gaps.append((k["ts"] - busy_end, k, launches.get(k.get("args", {}).get("correlation"))))
+        busy_end = max(busy_end, k["ts"] + k["dur"])
+    span = max(k["ts"] + k["dur"] for k in kernels) - kernels[0]["ts"]
+    idle = sum(g for g, _, _ in gaps)
+
+    def stacks(cat):
+        """launch event id -> the ``cat`` events enclosing it on its thread, outermost first (a sweep per thread:
+        the events of one thread nest)."""
+        by_tid = collections.defaultdict(list)
+        for e in events:
+            if e.get("cat") == cat:
+                by_tid[e["tid"]].append((e["ts"], 0, -e["dur"], e))
+        for _, _, launch in gaps:
+            if launch is not None:
+                by_tid[launch["tid"]].append((launch["ts"], 1, 0, launch))
+        out = {}
+        for items in by_tid.values():
+            items.sort(key=lambda x: x[:3])
+            open_ = []
+            for ts, is_query, _, e in items:
+                while open_ and open_[-1]["ts"] + open_[-1]["dur"] < ts:
+                    open_.pop()
+                if is_query:
+                    out[id(e)] = [f["name"] for f in open_]
+                else:
+                    open_.append(e)
+        return out
+
+    py, ops = stacks("python_function"), stacks("cpu_op")
+    by = {key: collections.Counter() for key in ("own", "inner", "op", "kernel")}
+    for gap, k, launch in gaps:
+        frames = py.get(id(launch), []) if launch is not None else []
+        mine = [f for f in frames if "megatron_glm5/" in f or "scripts/" in f]
+        by["own"][mine[-1] if mine else "(no frame of this repository)"] += gap
+        by["inner"][frames[-1] if frames else "(no Python frame)"] += gap
+        op = ops.get(id(launch), []) if launch is not None else []
+        by["op"][op[-1] if op else "(no operator)"] += gap
+        by["kernel"][k["name"][:100]] += gap
+    lines = [f"kernels {len(kernels)}; window {span / 1e3:.2f} ms; GPU idle {idle / 1e3:.2f} ms in {len(gaps)} gaps "
+             f"over 1 us ({100 * idle / span:.1f} %)"]
+    for key, title in (("own", "innermost frame of this repository"), ("inner", "innermost Python frame"),
+                       ("op", "innermost operator"), ("kernel", "kernel after the gap")):
+        lines.append(f"idle ms by {title}:")
+        lines += [f"  {t / 1e3:8.3f}  {name}" for name, t in by[key].most_common(top)]
+    return "\n".join(lines)
+
+
+def trace_step(step, path: str) -> str:
+    """Profile one CUDA step with Python stacks, write the chrome trace to ``path`` (gzip) and return
+    :func:`gpu_idle_report` of it."""
+    import gzip
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw) as fh:
+            trace = json.load(fh)
+    with gzip.open(path, "wt") as fh:
+        json.dump(trace, fh)
+    return gpu_idle_report(trace)
+
+
 def sync_sites(step, top: int = 25) -> str:
     """One step under ``torch.cuda.set_sync_debug_mode('warn')``: the Python call sites of every operation that
     made the host wait for the GPU (each one drains the launch queue, leaving the GPU idle while the host catches
@@ -243,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--sync-sites", action="store_true", help="list the host-synchronizing call sites of our step at "
                    "--profile-seq (torch.cuda.set_sync_debug_mode)")
+    p.add_argument("--trace", action="store_true", help="also trace our step at --profile-seq with Python stacks: "
+                   "the chrome trace (gzip) next to --out and a report of where the GPU waits for the host")
     p.add_argument("--ours-backends", default="", help="e.g. kda_backend=fla,dsa_backend=torch (default: "
                                                          "default_backends('cuda'))")
     p.add_argument("--out", default="", help="write the results as JSON here (profile table next to it)")
@@ -296,6 +388,9 @@ def main(argv=None) -> int:
                 if kind == "ours" and s == a.profile_seq:
                     path = (os.path.splitext(a.out)[0] + f"_profile_{s}.txt") if a.out else None
                     profile_table = profile_step(step, dev, a.profile_top, path)
+                    if a.trace and dev == "cuda":
+                        tpath = (os.path.splitext(a.out)[0] if a.out else "bench_train_step") + f"_trace_{s}.json.gz"
+                        print(f"[ours] s={s:6d}: {trace_step(step, tpath)}", flush=True)
                     if a.sync_sites and dev == "cuda":
                         print(f"[ours] s={s:6d}: {sync_sites(step)}", flush=True)
             except torch.OutOfMemoryError:
