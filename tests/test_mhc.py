@@ -321,3 +321,40 @@ def test_fused_apply_output_backward_gpu(n, h, tokens, columns, tile, monkeypatc
         print(f"n={n} h={h} T={tokens} columns={columns} tile={tile} {name}: fused {err:.1e} (fp32 {err_ref:.1e})")
         # bf16 outputs round once (2^-9 relative); the fp32 gradients match the fp32 reference's accuracy
         assert err < (4e-3 if name in ("new", "d_y", "d_streams") else max(2 * err_ref, 1e-6)), (name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,iters,tokens,programs_per_sm", [(4, 20, 1000, 4), (3, 5, 333, 4), (4, 20, 700, 0),
+                                                            (1, 1, 64, 4), (5, 3, 129, 0), (4, 20, 0, 4)])
+def test_fused_mhc_weights_match_reference_gpu(n, iters, tokens, programs_per_sm, monkeypatch):
+    """``kernels/sinkhorn.py: mhc_weights`` (gates, softmax and Sinkhorn in one kernel each way) against
+    ``HyperConnection.weights_from_mixes`` on its PyTorch path, fp32, on fresh random mixes / base / scale: the
+    three outputs and the gradients of mixes, base and scale (``programs_per_sm`` 0: two backward programs, each
+    walking several token blocks and adding its partial d_base / d_scale)."""
+    pytest.importorskip("triton")
+    from megatron_glm5.kernels import sinkhorn as fused_sinkhorn
+
+    if programs_per_sm == 0:
+        monkeypatch.setattr(fused_sinkhorn, "BWD_PROGRAMS_PER_SM", 1)
+        monkeypatch.setattr(fused_sinkhorn, "_NUM_SMS", 2)
+    ours_cfg, _ = _configs(n, iters)
+    hc = HyperConnection(ours_cfg, layer_number=1).cuda()
+    M = (2 + n) * n
+    gen = torch.Generator().manual_seed(n * 31 + iters + tokens)
+    mixes = (torch.randn(tokens, M, generator=gen) * 2).cuda()
+    base = torch.randn(M, generator=gen).cuda()
+    scale = (torch.rand(3, generator=gen) * 1.5 + 0.5).cuda()
+    grads = [torch.randn(tokens, *shape, generator=gen).cuda() for shape in ((n,), (n,), (n, n))]
+
+    def run(fused):
+        hc.use_fused_kernels = fused
+        ins = [t.clone().requires_grad_(True) for t in (mixes, base, scale)]
+        outs = hc.weights_from_mixes(*ins)
+        got = torch.autograd.grad(outs, ins, grads)
+        return [o.detach() for o in outs] + list(got)
+
+    out, ref = run(True), run(False)
+    for name, o, r in zip(("pre", "post", "comb", "d_mixes", "d_base", "d_scale"), out, ref):
+        assert o.shape == r.shape and torch.isfinite(o).all(), name
+        if tokens:
+            assert _rel(o, r) < 2e-6, (name, _rel(o, r))

@@ -185,8 +185,13 @@ class HyperConnection(MegatronModule):
     def weights_from_mixes(self, mixes: torch.Tensor, base: torch.Tensor,
                            scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 ``mixes [.., (2 + n) n]`` (the normalised projection) -> ``(pre, post, comb)``; ``base`` / ``scale``
-        are passed in (not read from ``self``) so the fused path can replay this map under autograd."""
+        are passed in (not read from ``self``) so the fused path can replay this map under autograd. On CUDA with
+        the fused kernels on, the whole map is one Triton kernel each way (``kernels/sinkhorn.py: mhc_weights``)."""
         n = self.hc_mult
+        if self.use_fused_kernels and mixes.dtype == torch.float32 and _fused_available(mixes):
+            from megatron_glm5.kernels.sinkhorn import mhc_weights
+
+            return mhc_weights(mixes, base, scale, n, self.hc_sinkhorn_iters, self.hc_eps)
         lead = mixes.shape[:-1]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         base = base.float()
