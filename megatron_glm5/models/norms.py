@@ -1,6 +1,8 @@
 """RMSNorm with GLM-5.3's numerics (fp32 statistics, eps inside the sqrt, weight applied in the input dtype).
 
-The one RMSNorm of the package: decoder norms, MLA q/kv latent norms, MTP norms and the vision tower's norms.
+The one RMSNorm of the package: decoder norms, MLA q/kv latent norms, MTP norms and the vision tower's norms. On CUDA
+it runs as one fused Triton kernel forward and one backward (``megatron_glm5/kernels/rms_norm.py``); elsewhere as the
+PyTorch formula.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ class RMSNorm(nn.Module):
     TP; with sequence parallelism the weight is tagged ``sequence_parallel`` so megatron-core all-reduces its grad.
     Built like megatron-core norms: ``RMSNorm(config=..., hidden_size=..., eps=...)``; positional
     ``RMSNorm(hidden_size, eps)`` also works.
+
+    On CUDA with triton, when ``x`` and the weight share one float dtype and the normalised dim is at most
+    ``kernels.rms_norm.MAX_D`` wide, the forward and backward run through the fused kernels of
+    ``megatron_glm5/kernels/rms_norm.py`` (the same function: ``y`` bitwise up to the fp32 rounding of the sum of
+    squares; the gradients in fp32 inside, rounded once to x's / the weight's dtype). ``use_fused_kernels = False``
+    selects the PyTorch formula below on any device; CPU always runs it.
     """
+
+    use_fused_kernels: bool = True
 
     def __init__(self, config=None, hidden_size: int = None, eps: float = 1e-5, **_unused):
         if isinstance(config, int):  # RMSNorm(hidden_size, eps[, config=...]) form
@@ -31,6 +41,11 @@ class RMSNorm(nn.Module):
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_fused_kernels and x.is_cuda:
+            from megatron_glm5.kernels import rms_norm as fused
+
+            if fused.fused_rms_norm_applies(x, self.weight):
+                return fused.fused_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
