@@ -29,7 +29,8 @@ from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "causal_conv1d_silu", "causal_conv1d_silu_reference"]
 
-_BT, _BC = 32, 128
+_BT, _BC = 32, 128  # forward tile (rows x columns)
+_BWD_BT = 16  # backward rows per block (x _BC columns): 32 needs 255 registers a thread on sm_90 (Triton 3.6)
 _NUM_SMS = 132  # only sizes the backward's persistent grid; any value is correct
 BWD_PROGRAMS_PER_SM = 4
 
@@ -145,13 +146,13 @@ class _CausalConv1dSiLU(torch.autograd.Function):
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         n_c = triton.cdiv(C, _BC)
-        splits = max(1, min(triton.cdiv(R, _BT), triton.cdiv(BWD_PROGRAMS_PER_SM * _NUM_SMS, n_c)))
+        splits = max(1, min(triton.cdiv(R, _BWD_BT), triton.cdiv(BWD_PROGRAMS_PER_SM * _NUM_SMS, n_c)))
         part = torch.zeros(splits, W, C, device=x.device, dtype=torch.float32)
         halo = max(1, triton.next_power_of_2(W - 1))
         if R:
-            scratch = torch.empty(splits * n_c, _BT + halo, _BC, device=x.device, dtype=torch.float32)
+            scratch = torch.empty(splits * n_c, _BWD_BT + halo, _BC, device=x.device, dtype=torch.float32)
             _conv_bwd_kernel[(n_c, splits)](x, weight, offset, dy, dx, part, scratch, R, ctx.S, C, W=W, HALO=halo,
-                                            BT=_BT, BC=_BC, num_warps=4)
+                                            BT=_BWD_BT, BC=_BC, num_warps=4)
         return dx, part.sum(0).t().to(weight.dtype), None, None
 
 
