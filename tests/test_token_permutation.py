@@ -4,6 +4,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
+from megatron_glm5.kernels import gather_sum as gather_sum_mod
 from megatron_glm5.models import token_permutation
 
 
@@ -20,6 +21,7 @@ def _routing(T, E, k, seed, ragged=False):
 
 def test_dispatcher_uses_it():
     assert token_dispatcher.permute is token_permutation.permute
+    assert token_dispatcher.unpermute is token_permutation.unpermute
 
 
 @pytest.mark.parametrize("T,E,k,dtype", [(37, 8, 3, torch.float32), (64, 16, 8, torch.float32),
@@ -117,6 +119,128 @@ def test_matches_megatron_core_gpu():
     assert err_ours <= err_upstream + 1e-6
 
 
+@pytest.mark.parametrize("T,E,k,h", [(37, 8, 3, 24), (64, 16, 8, 130), (29, 5, 5, 7), (1, 4, 1, 33), (50, 12, 4, 1)])
+def test_unpermute_matches_megatron_core(T, E, k, h, monkeypatch):
+    """After our permute, our unpermute (gather-and-sum, never upstream's) gives upstream's output to fp32 rounding
+    and the very same gradient (each permuted row gets its token's gradient)."""
+    routing, _ = _routing(T, E, k, seed=100 * T + E + k)
+    gen = torch.Generator().manual_seed(h)
+    x = torch.randn(T, h, generator=gen)
+    _, _, idx = token_permutation.permute(x, routing, num_out_tokens=T * k)
+    assert idx.copy_positions.shape == (T, k)
+    y = torch.randn(T * k, h, generator=gen)
+    w = torch.randn(T, h, generator=gen)
+
+    def upstream_not_called(*a, **kw):
+        raise AssertionError("fell back to upstream")
+
+    res = []
+    for fn in (moe_utils.unpermute, token_permutation.unpermute):
+        yi = y.clone().requires_grad_(True)
+        out = fn(yi, idx, restore_shape=torch.Size([T, h]), routing_map=routing)
+        (out * w).sum().backward()
+        res.append((out.detach(), yi.grad))
+        monkeypatch.setattr(token_permutation, "_upstream_unpermute", upstream_not_called)
+    (ref, ref_g), (out, g) = res
+    assert out.shape == ref.shape == (T, h) and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(g, ref_g)
+    with torch.no_grad():
+        torch.testing.assert_close(token_permutation.unpermute(y, idx, torch.Size([T, h])), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_unpermute_bf16_rounds_once():
+    """bf16: one rounding of the fp32 sum, at least as close to the exact sum as upstream's bf16 scatter_add_."""
+    T, E, k, h = 50, 12, 4, 40
+    routing, _ = _routing(T, E, k, seed=5)
+    _, _, idx = token_permutation.permute(torch.zeros(T, 1), routing, num_out_tokens=T * k)
+    y = torch.randn(T * k, h, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    exact = torch.zeros(T, h, dtype=torch.float64).index_add_(0, idx, y.double())
+    ours = token_permutation.unpermute(y, idx, torch.Size([T, h]))
+    ref = moe_utils.unpermute(y, idx, torch.Size([T, h]))
+    assert ours.dtype == torch.bfloat16
+    assert torch.equal(ours, exact.float().to(torch.bfloat16))
+    assert (ours.double() - exact).abs().max() <= (ref.double() - exact).abs().max()
+
+
+def test_unpermute_other_calls_fall_back_to_megatron_core(monkeypatch):
+    """probs, drop_and_pad, or indices not from our permute: upstream's function runs (and gives its results)."""
+    T, E, k, h = 20, 6, 2, 8
+    routing, probs = _routing(T, E, k, seed=3)
+    x = torch.randn(T, h)
+    _, _, idx = token_permutation.permute(x, routing, num_out_tokens=T * k)
+    _, _, plain_idx = moe_utils.permute(x, routing, num_out_tokens=T * k)
+    assert not hasattr(plain_idx, "copy_positions") and torch.equal(idx, plain_idx)
+    y = torch.randn(T * k, h)
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return moe_utils.unpermute(*a, **kw)
+
+    monkeypatch.setattr(token_permutation, "_upstream_unpermute", spy)
+    shape = torch.Size([T, h])
+    for args, kw in (((y, idx, shape), {"probs": probs, "routing_map": routing}),
+                     ((y, idx, shape), {"drop_and_pad": True}),
+                     ((y, plain_idx, shape), {})):
+        n = len(calls)
+        out = token_permutation.unpermute(*args, **kw)
+        assert len(calls) == n + 1
+        assert torch.equal(out, moe_utils.unpermute(*args, **kw))
+    token_permutation.unpermute(y, idx, shape)
+    assert len(calls) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,h,T,k", [(64, 4096, 8, 8), (300, 1000, 77, 3), (17, 1, 9, 1), (40, 2049, 0, 4),
+                                     (32768, 4096, 4096, 8), (10, 7, 5, 0)])
+def test_gather_sum_matches_reference_gpu(N, h, T, k, dtype):
+    """The Triton kernel against the PyTorch reference: fresh random rows and indices (with repeats), odd h, T = 0,
+    k = 1; fp32 to summation-order rounding, bf16 within one bf16 rounding of the same fp32 sum."""
+    assert gather_sum_mod.HAVE_TRITON
+    gen = torch.Generator(device="cuda").manual_seed(N + h + T + k)
+    src = torch.randn(N, h, device="cuda", generator=gen).to(dtype)
+    idx = torch.randint(0, N, (T, k), device="cuda", generator=gen)
+    if T and k > 1:
+        idx[0] = idx[0, 0]  # one token with k copies of the same row
+    out = gather_sum_mod.gather_sum(src, idx)
+    ref = gather_sum_mod.gather_sum_reference(src, idx)
+    assert out.shape == (T, h) and out.dtype == dtype and out.device == src.device
+    exact = src.double()[idx].sum(1)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert ((out.double() - ref.double()).abs() <= 2 ** -7 * ref.double().abs() + 1e-6).all()
+        assert ((out.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5).all()
+    # a strided view of the rows (row stride > h)
+    wide = torch.randn(N, h + 3, device="cuda", generator=gen).to(dtype)[:, :h]
+    torch.testing.assert_close(gather_sum_mod.gather_sum(wide, idx), gather_sum_mod.gather_sum_reference(wide, idx),
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_unpermute_matches_megatron_core_gpu():
+    """On CUDA in bf16 at training-like sizes: output at least as close to the exact sum as upstream's scatter_add_,
+    the same gradient."""
+    T, E, k, h = 4096, 16, 8, 1024
+    routing, _ = _routing(T, E, k, seed=12)
+    routing = routing.cuda()
+    _, _, idx = token_permutation.permute(torch.zeros(T, 1, device="cuda"), routing, num_out_tokens=T * k)
+    y = torch.randn(T * k, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
+    res = []
+    for fn in (moe_utils.unpermute, token_permutation.unpermute):
+        yi = y.clone().requires_grad_(True)
+        out = fn(yi, idx, torch.Size([T, h]))
+        out.backward(w)
+        res.append((out.detach().double(), yi.grad))
+    exact = torch.zeros(T, h, dtype=torch.float64, device="cuda").index_add_(0, idx, y.double())
+    err_upstream, err_ours = ((r[0] - exact).abs().max().item() for r in res)
+    assert err_ours <= err_upstream
+    assert torch.equal(res[0][1], res[1][1])
+
+
 def test_dispatcher_patches_installed():
     assert token_dispatcher.sort_chunks_by_idxs is token_permutation.sort_chunks_by_idxs
     assert (token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
@@ -138,8 +262,8 @@ def test_identity_chunk_sort_is_skipped():
 
 def test_moe_layer_on_one_rank_keeps_counts_on_device(mcore, monkeypatch):
     """A whole MoE layer (router, all-to-all dispatcher, experts, combine) on one rank: the dispatcher never copies
-    its counts to the host, hands the experts a tensor, and the output and every gradient equal those with
-    megatron-core's own chunk sort and host copy (fp32, to rounding; grouped and per-expert experts)."""
+    its counts to the host, hands the experts a tensor, unpermutes by gather-and-sum, and the output and every
+    gradient equal those with megatron-core's own permute, unpermute, chunk sort and host copy (fp32, to rounding)."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_glm5.config import Glm5Config, tiny_hf_config
@@ -147,6 +271,16 @@ def test_moe_layer_on_one_rank_keeps_counts_on_device(mcore, monkeypatch):
 
     seen = []
     upstream_dtoh = token_permutation._upstream_dtoh
+    unpermute_fallbacks = []
+
+    def spy_upstream_unpermute(*a, **kw):
+        unpermute_fallbacks.append(kw)
+        return moe_utils.unpermute(*a, **kw)
+
+    monkeypatch.setattr(token_permutation, "_upstream_unpermute", spy_upstream_unpermute)
+    gathers = []
+    monkeypatch.setattr(token_permutation, "gather_sum",
+                        lambda src, index: (gathers.append(index.shape), gather_sum_mod.gather_sum(src, index))[1])
 
     def spy_dtoh(self, point, tokens_per_expert=None):
         seen.append(token_permutation.keeps_counts_on_device(self))
@@ -176,9 +310,12 @@ def test_moe_layer_on_one_rank_keeps_counts_on_device(mcore, monkeypatch):
     monkeypatch.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", spy_dtoh)
     ours = run()
     assert seen and all(seen)
+    assert not unpermute_fallbacks and len(gathers) == 2  # unpermute forward, permute backward
     assert isinstance(received[-1], torch.Tensor) and int(received[-1].sum()) == s * cfg.moe_router_topk
     monkeypatch.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", upstream_dtoh)
     monkeypatch.setattr(token_dispatcher, "sort_chunks_by_idxs", token_permutation._upstream_sort_chunks)
+    monkeypatch.setattr(token_dispatcher, "permute", moe_utils.permute)
+    monkeypatch.setattr(token_dispatcher, "unpermute", moe_utils.unpermute)
     ref = run()
     assert len(ours) == len(ref)
     for a, b in zip(ours, ref):

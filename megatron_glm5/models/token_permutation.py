@@ -11,12 +11,19 @@ all-to-all dispatcher without capacity or padding), every token has exactly ``k`
 Transformer Engine's fused permute for that argument, checked here on the device (``torch._assert_async``; on the
 CPU it raises) -- so the output size is known, and each copy's row is an exclusive prefix count in expert-major
 order (:func:`copy_positions`); one scatter of ``t * E + e`` into those rows gives ``sorted_indices`` and the probs'
-gather index. The backward sums each token's ``k`` copies with one ``embedding_bag`` (a gather and an fp32 sum per
-row), so it writes every row once, in a fixed order, and rounds once.
+gather index. The backward sums each token's ``k`` copies with :func:`~megatron_glm5.kernels.gather_sum.gather_sum`
+(a gather and an fp32 sum per row; Triton on CUDA), so it writes every row once, in a fixed order, and rounds once.
 
 Shapes: ``tokens [T, h]``, ``routing_map [T, E]`` bool, ``probs [T, E]``; outputs ``permuted [T * k, h]``,
 ``permuted_probs [T * k]``, ``sorted_indices [T * k]`` (token of each row), exactly as upstream. Other calls (no
 ``num_out_tokens``, capacity, padding, ``fused``) run upstream's function.
+
+The way back, ``moe_utils.unpermute``, is the same scatter-add in the other direction (``zeros`` + ``scatter_add_``
+of ``[T * k, h]`` rows into ``[T, h]``). :func:`permute` attaches each token's rows to the ``sorted_indices`` it
+returns, as the attribute ``sorted_indices.copy_positions`` (``[T, k]`` int64; the dispatchers hand that very tensor
+back to ``unpermute``), and :func:`unpermute` then computes ``out[t] = sum_j permuted[positions[t, j]]`` with the
+same ``gather_sum`` (backward: ``grad[sorted_indices]``, upstream's gather). Calls with ``probs``, ``drop_and_pad``,
+``fused`` or ``sorted_indices`` from elsewhere (no attribute) run upstream's function.
 
 On one expert-and-tensor-parallel rank (``ep * tp == 1``, dropless) the all-to-all dispatcher has two more costs
 that buy nothing there: it copies the per-expert token counts to the host and waits for them (a sync per MoE layer,
@@ -26,7 +33,7 @@ backward, and of the expert outputs on the way back. :func:`keeps_counts_on_devi
 stay a device tensor: ``GroupedExperts`` needs them there; megatron-core's ``SequentialMLP`` takes ``.tolist()``,
 which waits correctly), and :func:`sort_chunks_by_idxs` returns its inputs when the chunk order is the identity.
 
-:func:`install` makes megatron-core's dispatchers use all three (once, on import of :mod:`megatron_glm5.models`).
+:func:`install` makes megatron-core's dispatchers use all four (once, on import of :mod:`megatron_glm5.models`).
 """
 
 from __future__ import annotations
@@ -34,10 +41,12 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
+from megatron_glm5.kernels.gather_sum import gather_sum
+
 _upstream_permute = moe_utils.permute
+_upstream_unpermute = moe_utils.unpermute
 _upstream_sort_chunks = moe_utils.sort_chunks_by_idxs
 _upstream_dtoh = token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
 
@@ -72,10 +81,21 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_permuted):
         (positions,) = ctx.saved_tensors
-        grad = grad_permuted.contiguous()
-        if grad.shape[0] == 0:
-            return grad.new_zeros(positions.shape[0], grad.shape[1]), None, None
-        return F.embedding_bag(positions, grad, mode="sum"), None, None
+        return gather_sum(grad_permuted, positions), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """``out[t] = sum_j permuted[positions[t, j]]`` (the unpermute), backward ``grad[sorted_indices]``."""
+
+    @staticmethod
+    def forward(ctx, permuted, sorted_indices, positions):
+        ctx.save_for_backward(sorted_indices)
+        return gather_sum(permuted, positions)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        (sorted_indices,) = ctx.saved_tensors
+        return grad_tokens.index_select(0, sorted_indices), None, None
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
@@ -98,7 +118,24 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
         permuted = _GatherTokens.apply(tokens, sorted_indices, positions)
     else:
         permuted = tokens.index_select(0, sorted_indices)
+    sorted_indices.copy_positions = positions      # for unpermute
     return permuted, permuted_probs, sorted_indices
+
+
+def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
+              probs: Optional[torch.Tensor] = None, routing_map: Optional[torch.Tensor] = None, fused: bool = False,
+              drop_and_pad: bool = False) -> torch.Tensor:
+    """Drop-in for ``moe_utils.unpermute``: a gather-and-sum when ``sorted_indices`` came from :func:`permute` and
+    no ``probs`` / ``fused`` / ``drop_and_pad`` (see the module docstring); upstream's function otherwise."""
+    positions = getattr(sorted_indices, "copy_positions", None)
+    if (fused or drop_and_pad or probs is not None or positions is None or permuted_tokens.dim() != 2
+            or permuted_tokens.shape[0] != positions.numel() or tuple(restore_shape) != (positions.shape[0],
+                                                                                         permuted_tokens.shape[1])):
+        return _upstream_unpermute(permuted_tokens, sorted_indices, restore_shape, probs=probs,
+                                   routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad)
+    if torch.is_grad_enabled() and permuted_tokens.requires_grad:
+        return _ScatterTokens.apply(permuted_tokens, sorted_indices, positions)
+    return gather_sum(permuted_tokens, positions)
 
 
 def sort_chunks_by_idxs(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,
@@ -126,8 +163,9 @@ def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: Optional[to
 
 
 def install() -> None:
-    """Make megatron-core's token dispatchers use :func:`permute`, :func:`sort_chunks_by_idxs` and the device-side
-    counts of :func:`keeps_counts_on_device` (idempotent)."""
+    """Make megatron-core's token dispatchers use :func:`permute`, :func:`unpermute`, :func:`sort_chunks_by_idxs`
+    and the device-side counts of :func:`keeps_counts_on_device` (idempotent)."""
     token_dispatcher.permute = permute
+    token_dispatcher.unpermute = unpermute
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
     token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
