@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                   flush=True)
         K.APPLY_BWD_COLUMNS = default_columns
         default_tile = K._BWD_TILE_ELEMENTS
-        for tile in (2048, 8192, 16384):  # elements of the backward's [n * n, columns] d_comb tile
+        for tile in (2048, 8192):  # register budget of the backward: columns x n x n stream products
             K._BWD_TILE_ELEMENTS = tile
             fn, nbytes = kernels["apply fwd+bwd"]
             t = cuda_time(fn, a.iters)

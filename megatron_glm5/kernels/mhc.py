@@ -186,51 +186,37 @@ if HAVE_TRITON:
 
     @triton.jit
     def _apply_bwd_kernel(G, Y, S, POST, COMB, DY, DS, DPOST, DCOMB, N, H, SPLIT, NP: tl.constexpr,
-                          N_STATIC: tl.constexpr, BH: tl.constexpr):
+                          BH: tl.constexpr):
         """One token, columns ``[SPLIT * program_id(1), + SPLIT)``: ``DY = sum_j POST_j G_j``, ``DS_i = sum_j
         COMB_ij G_j``, and this column range's partial ``DPOST_j = <G_j, Y>``, ``DCOMB_ij = <S_i, G_j>``
-        (``DPOST [T, splits, N]``, ``DCOMB [T, splits, N, N]``, summed over the splits by the caller).
-
-        Every tile is two-dimensional with the columns last, so no value changes layout inside the loop: the
-        stream rows ``[NP, BH]`` of ``G`` and ``S``; ``DS`` accumulates ``COMB[:, j] G_j`` over ``j`` with the row
-        ``G_j`` loaded again (an L1 hit); ``DCOMB`` accumulates ``S_i G_j`` in an ``[NP * NP, BH]`` tile of rows
-        ``r = i NP + j`` whose operands are loaded with repeated row indices (L1 hits too) and is reduced over
-        the columns once at the end. (``N_STATIC`` = ``N``, the unrolled count of the ``DS`` loop.)"""
+        (``DPOST [T, splits, N]``, ``DCOMB [T, splits, N, N]``, summed over the splits by the caller)."""
         t = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
         ts = t * tl.num_programs(1) + sp
         i = tl.arange(0, NP)
         nmask = i < N
-        r = tl.arange(0, NP * NP)
-        ri = r // NP
-        rj = r % NP
-        rmask = (ri < N) & (rj < N)
+        comb = tl.load(COMB + t * N * N + i[:, None] * N + i[None, :], mask=nmask[:, None] & nmask[None, :],
+                       other=0.0)
         post = tl.load(POST + t * N + i, mask=nmask, other=0.0)
         acc_post = tl.zeros([NP, BH], dtype=tl.float32)
-        acc_comb = tl.zeros([NP * NP, BH], dtype=tl.float32)
-        row0 = t * N * H
-        for k0 in range(0, SPLIT, BH):  # SPLIT is H, or a multiple of BH
-            k = sp * SPLIT + k0 + tl.arange(0, BH)
+        acc_comb = tl.zeros([NP, NP, BH], dtype=tl.float32)
+        for k0 in range(sp * SPLIT, tl.minimum(sp * SPLIT + SPLIT, H), BH):
+            k = k0 + tl.arange(0, BH)
             kmask = k < H
             mask = nmask[:, None] & kmask[None, :]
-            offs = row0 + i[:, None] * H + k[None, :]
+            offs = (t * N + i[:, None]) * H + k[None, :]
             g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)  # [j, k]
+            s = tl.load(S + offs, mask=mask, other=0.0).to(tl.float32)  # [i, k]
             y = tl.load(Y + t * H + k, mask=kmask, other=0.0).to(tl.float32)
             dy = tl.sum(post[:, None] * g, axis=0)
             tl.store(DY + t * H + k, dy.to(DY.dtype.element_ty), mask=kmask)
-            acc_post += g * y[None, :]
-            ds = tl.zeros([NP, BH], dtype=tl.float32)
-            for j in tl.static_range(N_STATIC):
-                c_j = tl.load(COMB + t * N * N + i * N + j, mask=nmask, other=0.0)  # COMB[t, :, j]
-                g_j = tl.load(G + row0 + j * H + k, mask=kmask, other=0.0).to(tl.float32)
-                ds += c_j[:, None] * g_j[None, :]
+            ds = tl.sum(comb[:, :, None] * g[None, :, :], axis=1)
             tl.store(DS + offs, ds.to(DS.dtype.element_ty), mask=mask)
-            rmask2 = rmask[:, None] & kmask[None, :]
-            s_rep = tl.load(S + row0 + ri[:, None] * H + k[None, :], mask=rmask2, other=0.0).to(tl.float32)
-            g_rep = tl.load(G + row0 + rj[:, None] * H + k[None, :], mask=rmask2, other=0.0).to(tl.float32)
-            acc_comb += s_rep * g_rep
+            acc_post += g * y[None, :]
+            acc_comb += s[:, None, :] * g[None, :, :]
         tl.store(DPOST + ts * N + i, tl.sum(acc_post, axis=1), mask=nmask)
-        tl.store(DCOMB + ts * N * N + ri * N + rj, tl.sum(acc_comb, axis=1), mask=rmask)
+        tl.store(DCOMB + ts * N * N + i[:, None] * N + i[None, :], tl.sum(acc_comb, axis=2),
+                 mask=nmask[:, None] & nmask[None, :])
 
 
 def _np2(n: int, lo: int = 2) -> int:
@@ -239,9 +225,12 @@ def _np2(n: int, lo: int = 2) -> int:
 
 _PROJ_BT, _PROJ_BD = 32, 128
 _COL_BH = 1024
-_BWD_TILE_ELEMENTS = 4096  # register budget of the apply-output backward: its [n * n, columns] d_comb tile
+_BWD_TILE_ELEMENTS = 4096  # register budget of the apply-output backward: column block x n x n stream products
 # Columns per program of the apply-output backward (0: one program walks a token's whole row). Several programs per
-# token give more loads in flight, their partial d_post / d_comb summed after (scripts/bench_mhc.py sweeps it).
+# token give more loads in flight, their partial d_post / d_comb summed after; on the H200 (scripts/bench_mhc.py,
+# 2026-12-03) 512 / 1024 / 2048 columns were 1-10 % slower than the whole row at 4K and 16K tokens. (A variant with
+# only two-dimensional tiles -- streams unrolled, d_comb from repeated-row loads -- was 6 % slower in the 4K train
+# step on 2026-12-04: 845 against 795 us a call.)
 APPLY_BWD_COLUMNS = 0
 # Programs per SM of the projection backward's grid (D blocks x token splits; each split adds a partial d_fn).
 PROJ_BWD_PROGRAMS_PER_SM = 4
@@ -363,14 +352,14 @@ class _ApplyOutputFunction(torch.autograd.Function):
         d_y = torch.empty_like(block_out)
         d_s = torch.empty_like(streams)
         np2 = _np2(n)
-        bh = min(max(16, _BWD_TILE_ELEMENTS // (np2 * np2)), _np2(h, 16))
+        bh = max(16, _BWD_TILE_ELEMENTS // (np2 * np2))
         split = h if APPLY_BWD_COLUMNS <= 0 else bh * max(1, APPLY_BWD_COLUMNS // bh)
         n_sp = triton.cdiv(h, split)
         d_post = torch.empty(T, n_sp, n, device=grad.device, dtype=torch.float32)
         d_comb = torch.empty(T, n_sp, n, n, device=grad.device, dtype=torch.float32)
         if T:
             _apply_bwd_kernel[(T, n_sp)](grad, block_out, streams, post, comb, d_y, d_s, d_post, d_comb, n, h, split,
-                                         NP=np2, N_STATIC=n, BH=bh, num_warps=4 if bh * np2 * np2 <= 4096 else 8)
+                                         NP=np2, BH=bh, num_warps=4)
         d_post, d_comb = (d_post[:, 0], d_comb[:, 0]) if n_sp == 1 else (d_post.sum(1), d_comb.sum(1))
         return d_y, d_s, d_post.to(post.dtype), d_comb.to(comb.dtype)
 
