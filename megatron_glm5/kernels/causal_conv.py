@@ -8,16 +8,15 @@ arithmetic, one rounding to ``x``'s dtype here, :func:`causal_conv1d_silu_refere
     pre[r, c] = sum_{j < W, offset[r % s] >= j} weight[c, W - 1 - j] x[r - j, c]      (offset: position in the document)
     y = silu(pre)                                                                      [R, C] in x's dtype
 
-Backward (``dpre = dy sg (1 + pre (1 - sg))``, ``sg = sigmoid(pre)``, ``pre`` recomputed from ``x``):
-``dx[r] = sum_j weight[:, W - 1 - j] dpre[r + j]`` over the taps whose output row ``r + j`` is in ``r``'s document, and
-``dweight[:, W - 1 - j] = sum_r dpre[r] x[r - j]`` over the valid taps. The backward is a persistent grid of column
-blocks x row splits; each program writes ``dpre`` of a row block (and of the ``W - 1`` rows after it) to its own
-scratch slot and reads it back shifted by each tap for ``dx`` (recomputing ``dpre`` at every shift instead needed more
-registers than an SM thread has), and adds its rows' ``dweight`` into its own ``[W, C]`` slot of an fp32 partial
-buffer (no atomics), summed afterwards.
+Backward (``dpre = dy sg (1 + pre (1 - sg))``, ``sg = sigmoid(pre)``): the forward kernel writes the fp32 ``pre``
+once more (a temporary of the backward, not kept from the forward), then one kernel over (column blocks x row blocks)
+gives ``dx[r] = sum_j weight[:, W - 1 - j] dpre[r + j]`` over the taps whose output row ``r + j`` is in ``r``'s
+document (the shifted rows of ``pre`` and ``dy`` are L1/L2 hits) and each row block's ``dweight`` partial
+``sum_r dpre[r] x[r - j]`` (``[row blocks, W, C]`` fp32, summed afterwards: no atomics).
 
 FLA's ``causal_conv1d`` took 285 us per backward call at 4K tokens x 8192 channels on the H200 (bf16; 200 MB to move:
-about a quarter of the bandwidth); it is what this replaces in ``kda_backend='fla_fused'``.
+about a quarter of the bandwidth); it is what this replaces in ``kda_backend='fla_fused'``. (A first version that
+recomputed ``pre`` inside one persistent backward kernel, looping over row blocks through a scratch, took 698 us.)
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 __all__ = ["HAVE_TRITON", "causal_conv1d_silu", "causal_conv1d_silu_reference"]
 
 _BT, _BC = 32, 128  # forward tile (rows x columns)
-_BWD_BT = 16  # backward rows per block (x _BC columns): 32 needs 255 registers a thread on sm_90 (Triton 3.6)
-_NUM_SMS = 132  # only sizes the backward's persistent grid; any value is correct
-BWD_PROGRAMS_PER_SM = 4
+_BWD_BT = 64  # backward rows per block: each block writes one [W, C] fp32 dweight partial
+_BWD_WARPS = 4  # 64 x 32 x 4 warps: 136 registers a thread on sm_90 (Triton 3.6), three blocks an SM
+_BWD_BC = 32
 
 
 def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -50,77 +49,61 @@ def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor, offset: 
 if HAVE_TRITON:
 
     @triton.jit
-    def _pre(X, Wt, OFF, r, c, R, S, C, W: tl.constexpr):
-        """Pre-activation ``[BT, BC]`` fp32 at rows ``r`` (0 where ``r`` is outside ``[0, R)``)."""
-        rm = (r >= 0) & (r < R)
-        off = tl.load(OFF + r % S, mask=rm, other=0)
+    def _conv_fwd_kernel(X, Wt, OFF, Y, R, S, C, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr,
+                         BC: tl.constexpr):
+        """``Y = silu(pre)`` in ``Y``'s dtype (``ACT``), else ``Y = pre`` (the backward's fp32 pre-activations)."""
+        r = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        rm = r < R
         cm = c < C
-        acc = tl.zeros([r.shape[0], c.shape[0]], dtype=tl.float32)
+        off = tl.load(OFF + r % S, mask=rm, other=0)
+        pre = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(W):
             ok = rm & (off >= j)
             xv = tl.load(X + (r - j)[:, None] * C + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
             w = tl.load(Wt + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)
-            acc += xv.to(tl.float32) * w[None, :]
-        return acc
+            pre += xv.to(tl.float32) * w[None, :]
+        if ACT:
+            pre = pre * tl.sigmoid(pre)
+        tl.store(Y + r[:, None] * C + c[None, :], pre.to(Y.dtype.element_ty), mask=rm[:, None] & cm[None, :])
 
     @triton.jit
-    def _conv_fwd_kernel(X, Wt, OFF, Y, R, S, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-        r = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
-        pre = _pre(X, Wt, OFF, r, c, R, S, C, W)
-        y = pre * tl.sigmoid(pre)
-        tl.store(Y + r[:, None] * C + c[None, :], y.to(Y.dtype.element_ty), mask=(r < R)[:, None] & (c < C)[None, :])
-
-    @triton.jit
-    def _dpre(X, Wt, OFF, DY, r, c, R, S, C, W: tl.constexpr):
-        """``dy * silu'(pre)`` ``[BT, BC]`` fp32 at rows ``r`` (0 outside ``[0, R)``)."""
-        pre = _pre(X, Wt, OFF, r, c, R, S, C, W)
-        ok = ((r >= 0) & (r < R))[:, None] & (c < C)[None, :]
-        dy = tl.load(DY + r[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    def _dpre(PRE, DY, rows, ok):
+        """``dy * silu'(pre)`` fp32 at ``rows`` (0 where not ``ok``)."""
+        pre = tl.load(PRE + rows, mask=ok, other=0.0)
+        dy = tl.load(DY + rows, mask=ok, other=0.0).to(tl.float32)
         sg = tl.sigmoid(pre)
         return dy * sg * (1.0 + pre * (1.0 - sg))
 
     @triton.jit
-    def _conv_bwd_kernel(X, Wt, OFF, DY, DX, PART, SCRATCH, R, S, C, W: tl.constexpr, HALO: tl.constexpr,
-                         BT: tl.constexpr, BC: tl.constexpr):
-        """Column block ``program_id(0)``; row blocks ``program_id(1), + num_programs(1), ...``. Per row block:
-        ``dpre`` of its rows and of the ``HALO >= W - 1`` rows after it go to this program's ``SCRATCH`` slot
-        ``[BT + HALO, BC]`` (L1/L2-resident) and are read back shifted by each tap for ``dx``; this program's
-        ``dweight`` partial goes to ``PART[program_id(1), :, columns]`` (``[splits, W, C]`` fp32, zeroed)."""
+    def _conv_bwd_kernel(X, Wt, OFF, PRE, DY, DX, PART, R, S, C, W: tl.constexpr, BT: tl.constexpr,
+                         BC: tl.constexpr):
+        """Rows ``[BT program_id(1), + BT)`` x columns ``[BC program_id(0), + BC)``: ``dx`` from the ``dpre`` of the
+        ``W`` rows each row feeds, and the block's ``dweight`` partial ``PART[program_id(1), :, columns]``."""
+        r = (tl.program_id(1) * BT + tl.arange(0, BT)).to(tl.int64)
         c = tl.program_id(0) * BC + tl.arange(0, BC)
+        rm = r < R
         cm = c < C
+        off = tl.load(OFF + r % S, mask=rm, other=0)
+        ok = rm[:, None] & cm[None, :]
+        dp = _dpre(PRE, DY, r[:, None] * C + c[None, :], ok)
+        w = tl.load(Wt + c * W + (W - 1), mask=cm, other=0.0).to(tl.float32)
+        dx = dp * w[None, :]
+        for j in tl.static_range(1, W):
+            # row r + j uses x[r] through tap j when it is in r's document
+            same = rm & (r + j < R) & (r % S + j < S)
+            off_o = tl.load(OFF + (r % S + j), mask=same, other=0)
+            same = same & (off_o == off + j)
+            dpo = _dpre(PRE, DY, (r + j)[:, None] * C + c[None, :], same[:, None] & cm[None, :])
+            w = tl.load(Wt + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)
+            dx += dpo * w[None, :]
+        tl.store(DX + r[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty), mask=ok)
         part = PART + tl.program_id(1).to(tl.int64) * W * C + c
-        pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
-        lr = tl.arange(0, BT)
-        lh = tl.arange(0, HALO)
-        cc = tl.arange(0, BC)
-        scratch = SCRATCH + pid * ((BT + HALO) * BC)
-        for r0 in range(tl.program_id(1) * BT, R, tl.num_programs(1) * BT):
-            r = (r0 + lr).to(tl.int64)
-            rm = r < R
-            off = tl.load(OFF + r % S, mask=rm, other=0)
-            dp = _dpre(X, Wt, OFF, DY, r, c, R, S, C, W)
-            tl.store(scratch + lr[:, None] * BC + cc[None, :], dp)
-            dph = _dpre(X, Wt, OFF, DY, (r0 + BT + lh).to(tl.int64), c, R, S, C, W)
-            tl.store(scratch + (BT + lh)[:, None] * BC + cc[None, :], dph)
-            for j in tl.static_range(W):
-                # d weight[:, W - 1 - j] += sum_r dpre[r] x[r - j] over the valid taps
-                ok = rm & (off >= j)
-                xv = tl.load(X + (r - j)[:, None] * C + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
-                slot = part + (W - 1 - j) * C
-                tl.store(slot, tl.load(slot, mask=cm, other=0.0) + tl.sum(dp * xv.to(tl.float32), axis=0), mask=cm)
-            tl.debug_barrier()
-            dx = tl.zeros([BT, BC], dtype=tl.float32)
-            for j in tl.static_range(W):
-                # dx[r] += weight[:, W - 1 - j] dpre[r + j] where row r + j is in r's document
-                same = rm & (r + j < R) & (r % S + j < S)
-                off_o = tl.load(OFF + (r % S + j), mask=same, other=0)
-                same = same & (off_o == off + j)
-                dpo = tl.load(scratch + (lr + j)[:, None] * BC + cc[None, :], mask=same[:, None], other=0.0)
-                w = tl.load(Wt + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)
-                dx += dpo * w[None, :]
-            tl.store(DX + r[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty), mask=rm[:, None] & cm[None, :])
-            tl.debug_barrier()  # the next row block overwrites the scratch
+        for j in tl.static_range(W):
+            # d weight[:, W - 1 - j] = sum_r dpre[r] x[r - j] over the valid taps
+            okj = rm & (off >= j)
+            xv = tl.load(X + (r - j)[:, None] * C + c[None, :], mask=okj[:, None] & cm[None, :], other=0.0)
+            tl.store(part + (W - 1 - j) * C, tl.sum(dp * xv.to(tl.float32), axis=0), mask=cm)
 
 
 class _CausalConv1dSiLU(torch.autograd.Function):
@@ -128,12 +111,7 @@ class _CausalConv1dSiLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, offset, S):
-        R, C = x.shape
-        W = weight.shape[1]
-        y = torch.empty_like(x)
-        if R:
-            _conv_fwd_kernel[(triton.cdiv(R, _BT), triton.cdiv(C, _BC))](x, weight, offset, y, R, S, C, W=W, BT=_BT,
-                                                                          BC=_BC, num_warps=4)
+        y = _conv_fwd(x, weight, offset, S, act=True)
         ctx.save_for_backward(x, weight, offset)
         ctx.S = S
         return y
@@ -145,15 +123,23 @@ class _CausalConv1dSiLU(torch.autograd.Function):
         W = weight.shape[1]
         dy = dy.contiguous()
         dx = torch.empty_like(x)
-        n_c = triton.cdiv(C, _BC)
-        splits = max(1, min(triton.cdiv(R, _BWD_BT), triton.cdiv(BWD_PROGRAMS_PER_SM * _NUM_SMS, n_c)))
-        part = torch.zeros(splits, W, C, device=x.device, dtype=torch.float32)
-        halo = max(1, triton.next_power_of_2(W - 1))
+        n_r = triton.cdiv(R, _BWD_BT)
+        part = torch.empty(n_r, W, C, device=x.device, dtype=torch.float32)
         if R:
-            scratch = torch.empty(splits * n_c, _BWD_BT + halo, _BC, device=x.device, dtype=torch.float32)
-            _conv_bwd_kernel[(n_c, splits)](x, weight, offset, dy, dx, part, scratch, R, ctx.S, C, W=W, HALO=halo,
-                                            BT=_BWD_BT, BC=_BC, num_warps=4)
+            pre = _conv_fwd(x, weight, offset, ctx.S, act=False)
+            _conv_bwd_kernel[(triton.cdiv(C, _BWD_BC), n_r)](x, weight, offset, pre, dy, dx, part, R, ctx.S, C, W=W,
+                                                             BT=_BWD_BT, BC=_BWD_BC, num_warps=_BWD_WARPS)
         return dx, part.sum(0).t().to(weight.dtype), None, None
+
+
+def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor, S: int, act: bool) -> torch.Tensor:
+    """``silu(pre)`` in ``x.dtype`` (``act``) or the fp32 ``pre`` of ``x [R, C]``."""
+    R, C = x.shape
+    y = torch.empty(R, C, device=x.device, dtype=x.dtype if act else torch.float32)
+    if R:
+        _conv_fwd_kernel[(triton.cdiv(R, _BT), triton.cdiv(C, _BC))](x, weight, offset, y, R, S, C, W=weight.shape[1],
+                                                                      ACT=act, BT=_BT, BC=_BC, num_warps=4)
+    return y
 
 
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
