@@ -3,7 +3,6 @@
 layer's GEMMs at the measured matmul rate.
 
     python scripts/bench_kda.py [--seqs 4096,16384] [--backends fla_fused,fla] [--iters 5]
-    python scripts/bench_kda.py --conv-only [--seqs 4096,16384]     # our short convolution against FLA's
 
 Prints, per length: each backend's layer time and peak memory, ``chunk_kda`` alone (fwd+bwd on inputs of the
 layer's shapes, gate and beta computed in-kernel, as the fused layer calls it), the projections' FLOPs (x3 for
@@ -22,10 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", default="4096,16384")
     p.add_argument("--backends", default="fla_fused,fla")
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--conv-only", action="store_true", help="only the short-convolution comparison")
     a = p.parse_args(argv)
-    if a.conv_only:
-        return bench_conv(a)
 
     import torch
     from fla.ops.kda import chunk_kda
@@ -85,48 +81,6 @@ def main(argv=None) -> int:
                     f"matmul rate -> layer / (kernel + GEMMs) = {t / (t_kernel + t_gemm):.2f}")
             rows.append(line)
             print(line, flush=True)
-    return 0
-
-
-def bench_conv(a) -> int:
-    """The fast path's short convolution + SiLU (``kernels/causal_conv.py``) against FLA's ``causal_conv1d`` on one
-    of the layer's q/k/v inputs (``[1, s, H D]`` bf16, one document), fwd and fwd+bwd, and a sweep of our backward's
-    block (rows x columns x warps), each with its achieved bandwidth on the bytes the backward must move (x, dy in;
-    dx out)."""
-    import torch
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    from bench_train_step import cuda_time
-    from megatron_glm5.config import Glm5Config, glm5_flash_hf_config
-    from megatron_glm5.kernels import causal_conv as K
-
-    cfg = Glm5Config.from_hf(glm5_flash_hf_config())
-    C, W = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_conv_kernel_dim
-    dev, dtype = "cuda", torch.bfloat16
-    for s in [int(x) for x in a.seqs.split(",")]:
-        x = torch.randn(1, s, C, device=dev, dtype=dtype, requires_grad=True)
-        w = (torch.randn(C, W, device=dev) * 0.3).to(dtype).requires_grad_(True)
-        gy = torch.randn(1, s, C, device=dev, dtype=dtype)
-        off = torch.arange(s, device=dev, dtype=torch.int32)
-        cu, cu_cpu = torch.tensor([0, s], device=dev), torch.tensor([0, s])
-        nbytes = 3 * x.numel() * x.element_size()
-        runs = {
-            "ours": lambda: K.causal_conv1d_silu(x, w, off),
-            "fla": lambda: causal_conv1d(x=x, weight=w, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0],
-        }
-        for name, fn in runs.items():
-            t_f = cuda_time(lambda: fn(), a.iters)
-            t_fb = cuda_time(lambda: fn().backward(gy), a.iters)
-            print(f"s={s:6d} conv {name:4s} (C={C}, W={W}): fwd {t_f * 1e3:7.1f} us  fwd+bwd {t_fb * 1e3:7.1f} us  "
-                  f"(bwd ~{(t_fb - t_f) * 1e3:7.1f} us, {nbytes / ((t_fb - t_f) * 1e-3) / 1e9:5.0f} GB/s)", flush=True)
-        default = (K._BWD_BT, K._BWD_BC, K._BWD_WARPS)
-        for bt, bc, warps in ((64, 32, 4), (64, 64, 8), (32, 128, 8), (64, 128, 16), (128, 32, 8)):
-            K._BWD_BT, K._BWD_BC, K._BWD_WARPS = bt, bc, warps
-            t_f = cuda_time(lambda: runs["ours"](), a.iters)
-            t_fb = cuda_time(lambda: runs["ours"]().backward(gy), a.iters)
-            print(f"s={s:6d} conv ours, backward block {bt:3d} x {bc:3d}, {warps:2d} warps: fwd+bwd {t_fb * 1e3:7.1f} us "
-                  f"(bwd ~{(t_fb - t_f) * 1e3:7.1f} us)", flush=True)
-        K._BWD_BT, K._BWD_BC, K._BWD_WARPS = default
     return 0
 
 

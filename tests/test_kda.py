@@ -21,7 +21,7 @@ from megatron_glm5.models.kda import (
     l2norm,
     recurrent_kda_reference,
 )
-from megatron_glm5.models.packing import document_starts, make_packed_seq_params
+from megatron_glm5.models.packing import make_packed_seq_params
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -82,60 +82,6 @@ def test_causal_depthwise_conv1d_packed():
     xb = torch.randn(3, 10, c)
     ref_b = F.conv1d(xb.transpose(1, 2), w[:, None], padding=W - 1, groups=c)[..., :10].transpose(1, 2)
     assert _rel_max(causal_depthwise_conv1d(xb, w[:, None]), ref_b) < 1e-6
-
-
-def test_document_offsets_match_document_starts():
-    """``packing.document_offsets`` (host-built, cached per PackedSeqParams) is ``arange - document_starts``."""
-    from megatron_glm5.models.packing import document_offsets
-
-    cu = torch.tensor([0, 1, 5, 5, 17, 40], dtype=torch.int32)
-    psp = make_packed_seq_params(cu)
-    got = document_offsets(psp, 40, "cpu")
-    assert got.dtype == torch.int32 and torch.equal(got.long(), torch.arange(40) - document_starts(cu, 40))
-    assert document_offsets(psp, 40, "cpu") is got  # cached: every layer of a step asks
-    assert torch.equal(document_offsets(None, 7, "cpu"), torch.arange(7, dtype=torch.int32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,s,c,width,cu,dtype", [
-    (1, 4096, 8192, 4, [0, 1, 2, 700, 701, 2048, 4096], torch.bfloat16),  # released widths, tiny documents
-    (1, 333, 1000, 4, [0, 3, 100, 333], torch.float32),                   # columns not a multiple of the block
-    (3, 77, 256, 3, None, torch.bfloat16),                                # batch rows are documents
-    (1, 50, 128, 1, [0, 25, 50], torch.float32),                          # width 1
-    (1, 0, 64, 4, None, torch.float32)])
-def test_fused_causal_conv1d_silu_gpu(b, s, c, width, cu, dtype):
-    """``kernels/causal_conv.py`` against ``causal_conv1d_silu_reference`` (itself checked against the module's
-    ``causal_depthwise_conv1d`` here) on fresh random inputs: output, d_x and d_weight, document resets, several
-    widths. Both are compared with an fp64 evaluation on the same values."""
-    pytest.importorskip("triton")
-    from megatron_glm5.kernels.causal_conv import causal_conv1d_silu, causal_conv1d_silu_reference
-
-    gen = torch.Generator().manual_seed(s * 7 + c + width)
-    x = torch.randn(b, s, c, generator=gen).to(dtype).cuda()
-    w = (torch.randn(c, width, generator=gen) * 0.5).to(dtype).cuda()
-    g = torch.randn(b, s, c, generator=gen).to(dtype).cuda()
-    pos = torch.arange(s, device="cuda")
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-    offset = pos if cu_t is None else pos - document_starts(cu_t, s)
-    if s:
-        module_ref = F.silu(causal_depthwise_conv1d(x.double(), w.double(), cu_t))
-        assert _rel_max(causal_conv1d_silu_reference(x.double(), w.double(), offset), module_ref) < 1e-12
-
-    def run(fn, dt):
-        xi, wi = x.to(dt).requires_grad_(True), w.to(dt).requires_grad_(True)
-        y = fn(xi, wi, offset.to(torch.int32))
-        y.backward(g.to(dt))
-        return [t.double() for t in (y.detach(), xi.grad, wi.grad)]
-
-    fused = run(causal_conv1d_silu, dtype)
-    exact = run(causal_conv1d_silu_reference, torch.float64)
-    ref = run(causal_conv1d_silu_reference, dtype)
-    for name, f, e, r in zip(("y", "d_x", "d_weight"), fused, exact, ref):
-        assert f.shape == e.shape and torch.isfinite(f).all(), name
-        if s:
-            err, err_ref = _rel_l2(f, e), _rel_l2(r, e)
-            print(f"conv {dtype} s={s} c={c} W={width} {name}: fused {err:.1e} (reference {err_ref:.1e})")
-            assert err <= max(1.5 * err_ref, 1e-6), (name, err, err_ref)
 
 
 # ============================================================================ core delta rule

@@ -13,11 +13,10 @@ document separately gives. Without ``PackedSeqParams`` every batch row is one do
 
 Three backends compute the layer: ``'torch'`` (:func:`chunk_kda_torch`, a chunked WY form in plain PyTorch,
 runs anywhere and is differentiable by autograd), ``'fla'`` (flash-linear-attention ``chunk_kda`` for the delta rule
-only, the rest of the layer in PyTorch) and ``'fla_fused'`` (the GPU fast path: our Triton short convolution with
-SiLU and document resets, ``kernels/causal_conv.py``; FLA's ``chunk_kda`` with the forget gate, ``sigmoid(beta)``
-and the q/k L2 norm computed inside its kernels; FLA's fused gated RMSNorm; CUDA + triton, imported lazily). The
-fast path keeps the reference numerics (fp32 convolution, gates and norms); it is tested against ``'torch'`` on the
-GPU.
+only, the rest of the layer in PyTorch) and ``'fla_fused'`` (the GPU fast path: FLA's Triton short convolution with
+SiLU and document resets, ``chunk_kda`` with the forget gate, ``sigmoid(beta)`` and the q/k L2 norm computed inside
+its kernels, and FLA's fused gated RMSNorm; CUDA + triton, imported lazily). The fast path keeps the reference
+numerics (fp32 convolution, gates and norms); it is tested against ``'torch'`` on the GPU.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from megatron.core.transformer.utils import (
 from megatron_glm5.models.linear import linear_output
 from megatron_glm5.models.params import param_device
 from megatron_glm5.config import Glm5Config
-from megatron_glm5.models.packing import document_offsets, document_starts, fla_cu_seqlens, row_cu_seqlens
+from megatron_glm5.models.packing import document_starts, fla_cu_seqlens, row_cu_seqlens
 from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout
 
 __all__ = [
@@ -563,10 +562,9 @@ class KimiDeltaAttention(MegatronModule):
     def _forward_fla_fused(self, x: torch.Tensor, packed_seq_params: Optional[PackedSeqParams]):
         """``kda_backend='fla_fused'``: the same function as :meth:`forward` with FLA's fused kernels around
         ``chunk_kda`` (see the module docstring). ``x [s, b, h]`` -> ``(out [s, b, h], bias)``."""
+        from fla.modules.causal_conv1d import causal_conv1d
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
         from fla.ops.kda import chunk_kda
-
-        from megatron_glm5.kernels.causal_conv import causal_conv1d_silu
 
         q_lin = linear_output(self.q_proj(x))                                      # [s, b, H_l * D] (full s)
         s, b = q_lin.shape[:2]
@@ -580,10 +578,10 @@ class KimiDeltaAttention(MegatronModule):
         def batch_first(t):  # [s, b, c] -> [b, s, c] (a free view for b = 1)
             return t.view(1, s, t.shape[-1]) if b == 1 else t.transpose(0, 1).contiguous()
 
-        offsets = document_offsets(packed_seq_params, s, x.device)
-
         def conv(t, w):  # SiLU(causal conv) in fp32 inside the kernel, output in the activation dtype
-            return causal_conv1d_silu(batch_first(t), w, offsets).view(b, s, H, D)
+            y, _ = causal_conv1d(x=batch_first(t), weight=w.squeeze(1), activation="silu", cu_seqlens=cu,
+                                 cu_seqlens_cpu=cu_cpu)
+            return y.view(b, s, H, D)
 
         q = conv(q_lin, self.q_conv1d)
         k = conv(linear_output(self.k_proj(x)), self.k_conv1d)

@@ -66,22 +66,6 @@ def fla_cu_seqlens(packed_seq_params: PackedSeqParams, seq_len: int, device) -> 
     return cache[key]
 
 
-def document_offsets(packed_seq_params: Optional[PackedSeqParams], seq_len: int, device) -> torch.Tensor:
-    """[seq_len] int32 on ``device``: every position's index inside its document (``arange - document start``;
-    plain ``arange`` without packing). Built on the host from the checked boundaries and copied without a wait, once
-    per ``PackedSeqParams`` and device (every KDA layer of a step asks)."""
-    if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
-        return torch.arange(seq_len, device=device, dtype=torch.int32)
-    row, cache = _checked_row(packed_seq_params, seq_len)
-    key = ("offsets", torch.device(device))
-    if key not in cache:
-        host = torch.empty(seq_len, dtype=torch.int32)
-        for start, end in zip(row[:-1], row[1:]):
-            host[start:end] = torch.arange(end - start, dtype=torch.int32)
-        cache[key] = to_device_async(host, device)
-    return cache[key]
-
-
 def row_boundaries(packed_seq_params: Optional[PackedSeqParams], seq_len: int) -> List[int]:
     """:func:`row_cu_seqlens` as python ints (no host sync after the first ask)."""
     if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
