@@ -17,7 +17,8 @@ at ``--profile-seq``. Lengths from ``--recompute-from`` on run with full activat
 (transformers' gradient checkpointing, our ``recompute_granularity='full'``); an OOM is reported, not fatal.
 ``--sync-sites`` also lists the call sites that make the host wait for the GPU during our step at ``--profile-seq``
 (each one empties the launch queue; the step had none on 2026-12-03). ``--trace`` traces that step with Python
-stacks and reports the GPU's idle time charged to the frames that launched the kernel after each gap.
+stacks and reports the GPU's idle time charged to the frames that launched the kernel after each gap. Every length
+also prints the last timed step's phases (forward, backward, optimizer), host time against GPU time.
 """
 
 from __future__ import annotations
@@ -144,17 +145,52 @@ def make_step(kind: str, model, ids, dev):
     labels = torch.roll(ids, -1, dims=1)
     psp = make_packed_seq_params(torch.tensor([0, s], dtype=torch.int32, device=ids.device))
 
+    phases = PhaseTimes(dev)
+
     def step():
+        phases.mark("start")
         if kind == "hf":
             loss = model(input_ids=ids, labels=ids).loss
         else:
             loss = model(ids, labels=labels, packed_seq_params=psp).float().mean()
+        phases.mark("forward")
         loss.backward()
+        phases.mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phases.mark("optimizer")
         return loss
 
+    step.phases = phases
     return step, opt
+
+
+class PhaseTimes:
+    """Host and GPU time of the step's phases (forward, backward, optimizer) of the last step: the host's
+    ``perf_counter`` when it reached each boundary and a CUDA event recorded there. A phase whose host time is close
+    to its GPU time, with the GPU idle in between, is bound by launching (read after a synchronize)."""
+
+    def __init__(self, dev: str):
+        self.dev = dev
+        self.marks = []
+
+    def mark(self, name: str):
+        import torch
+
+        if name == "start":
+            self.marks = []
+        event = None
+        if self.dev == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks.append((name, time.perf_counter(), event))
+
+    def report(self) -> str:
+        parts = []
+        for (_, h0, e0), (name, h1, e1) in zip(self.marks[:-1], self.marks[1:]):
+            gpu = f", GPU {e0.elapsed_time(e1):6.1f} ms" if e0 is not None else ""
+            parts.append(f"{name} host {1e3 * (h1 - h0):6.1f} ms{gpu}")
+        return "; ".join(parts)
 
 
 def set_recompute(kind: str, model, on: bool):
@@ -385,6 +421,8 @@ def main(argv=None) -> int:
                 print(f"[{kind}] s={s:6d}{' (recompute)' if recompute else ''}: {t * 1e3:9.1f} ms/step  "
                       f"{s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  peak {peak:6.1f} GiB  "
                       f"loss {loss:.3f}", flush=True)
+                rec["phases"] = step.phases.report()
+                print(f"[{kind}] s={s:6d} last step: {rec['phases']}", flush=True)
                 if kind == "ours" and s == a.profile_seq:
                     path = (os.path.splitext(a.out)[0] + f"_profile_{s}.txt") if a.out else None
                     profile_table = profile_step(step, dev, a.profile_top, path)
