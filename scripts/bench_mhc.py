@@ -77,35 +77,26 @@ def main(argv=None) -> int:
         for name, (fn, nbytes) in kernels.items():
             t = cuda_time(fn, a.iters)
             print(f"s={s:6d}   {name:32s} {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s", flush=True)
-        default_columns = K.APPLY_BWD_COLUMNS
-        for columns in (0, 512, 1024, 2048):  # columns per program of the apply-output backward (0: whole row)
-            K.APPLY_BWD_COLUMNS = columns
-            fn, nbytes = kernels["apply fwd+bwd"]
-            t = cuda_time(fn, a.iters)
-            print(f"s={s:6d}   apply fwd+bwd, bwd columns {columns:5d}  {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s",
-                  flush=True)
-        K.APPLY_BWD_COLUMNS = default_columns
-        default_tile = K._BWD_TILE_ELEMENTS
-        for tile in (2048, 8192):  # register budget of the backward: columns x n x n stream products
-            K._BWD_TILE_ELEMENTS = tile
-            fn, nbytes = kernels["apply fwd+bwd"]
-            t = cuda_time(fn, a.iters)
-            print(f"s={s:6d}   apply fwd+bwd, bwd tile {tile:6d}       {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s",
-                  flush=True)
-        K._BWD_TILE_ELEMENTS = default_tile
         x2 = flat.view(s, n * h)
         dz = torch.randn(s, K._np2((2 + n) * n, 16), device=dev)
         c = torch.randn(s, device=dev)
         pre = torch.rand(s, n, device=dev)
         dcol = g_col.view(s, h)
-        default_programs = K.PROJ_BWD_PROGRAMS_PER_SM
-        for programs in (4, 8, 16):  # programs per SM of the projection backward
-            K.PROJ_BWD_PROGRAMS_PER_SM = programs
-            t = cuda_time(lambda: K._proj_bwd(x2, hc.fn, dz, c, pre, dcol, n, h), a.iters)
-            nbytes = 2 * sb + yb
-            print(f"s={s:6d}   proj bwd, {programs:2d} programs per SM      {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s",
-                  flush=True)
-        K.PROJ_BWD_PROGRAMS_PER_SM = default_programs
+        proj_bwd = (lambda: K._proj_bwd(x2, hc.fn, dz, c, pre, dcol, n, h), 2 * sb + yb)
+        sweeps = (  # (module knob, values, what it is, the timed function and its bytes)
+            ("APPLY_BWD_COLUMNS", (0, 512, 1024, 2048), "apply fwd+bwd, bwd columns per program (0: whole row)",
+             kernels["apply fwd+bwd"]),
+            ("_BWD_TILE_ELEMENTS", (2048, 4096, 8192), "apply fwd+bwd, bwd register tile (columns x n x n)",
+             kernels["apply fwd+bwd"]),
+            ("PROJ_BWD_PROGRAMS_PER_SM", (4, 8, 16), "proj bwd, programs per SM", proj_bwd),
+        )
+        for knob, values, what, (fn, nbytes) in sweeps:
+            default = getattr(K, knob)
+            for value in values:
+                setattr(K, knob, value)
+                t = cuda_time(fn, a.iters)
+                print(f"s={s:6d}   {what} {value:5d}  {t:7.3f} ms  {nbytes / t / 1e6:6.0f} GB/s", flush=True)
+            setattr(K, knob, default)
     return 0
 
 
