@@ -9,7 +9,8 @@ decoder layers (``linear_attention`` x (L-1) then ``indexed_attention``), every 
 top-``--topk``, ``index_topk`` 2048 / ``index_kpool`` 4, vision depth 1 (no image in the batch), no MTP.
 transformers' ``Glm5NextForConditionalGeneration`` is built with its defaults (grouped_mm experts, FLA kernels where
 installed); ours by ``build_model`` with ``default_backends('cuda')`` unless ``--ours-backends`` says otherwise
-(``--ours-backends kda_backend=fla_fused,dsa_backend=fused,moe_experts_backend=grouped`` is the fastest set).
+(``kda_backend=fla_fused,dsa_backend=fused,moe_experts_backend=grouped``; ``--ours-backends moe_cuda_graph=true``
+adds the experimental CUDA-graphed MoE layers).
 One document of ``s`` tokens per step. Printed per length: tokens/s, 6N-MFU against the bf16 matmul rate measured
 at the start (``N`` = active parameters: everything but the embedding and the vision tower, routed experts counted
 ``topk / experts``), peak memory, the ratio ours / transformers; then a CUDA-time profile (top kernels) of our step
@@ -391,7 +392,7 @@ def main(argv=None) -> int:
     backends = default_backends(dev)
     for item in filter(None, a.ours_backends.split(",")):
         k, v = item.split("=")
-        backends[k] = v
+        backends[k] = {"true": True, "false": False}.get(v.lower(), v)
     rate = matmul_rate(dev)
     print(f"device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; torch {torch.__version__}; "
           f"measured bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; ours: {backends}", flush=True)
@@ -439,6 +440,9 @@ def main(argv=None) -> int:
                 print(f"[{kind}] s={s:6d}: ERROR {rec['error']}", flush=True)
             results["runs"][f"{kind}_{s}"] = rec
             step = opt = None
+            for m in model.modules():  # the MoE layers' CUDA graphs of this length hold its activations' memory
+                if getattr(m, "mlp_graphs", None) is not None:
+                    m.mlp_graphs.reset()
             gc.collect()
             if dev == "cuda":
                 torch.cuda.empty_cache()

@@ -23,8 +23,10 @@ def default_backends(device: str) -> dict:
     and ``kda_backend='fla_fused'`` for KDA (FLA's conv / in-kernel gates / fused gated norm around chunk_kda; its
     GPU test against the 'torch' layer passed on an H200 on 2026-12-03); the PyTorch references (and megatron-core's
     SequentialMLP) on CPU. (The mHC, expert-GLU and cross-entropy Triton kernels need no backend setting: they run
-    whenever the tensors are on CUDA and triton is installed.)"""
-    reference = {"kda_backend": "torch", "dsa_backend": "torch", "moe_experts_backend": "sequential"}
+    whenever the tensors are on CUDA and triton is installed.) ``moe_cuda_graph`` (the MoE layers as replayed CUDA
+    graphs, ``models/cuda_graphs.py``) stays off by default until its GPU test has passed."""
+    reference = {"kda_backend": "torch", "dsa_backend": "torch", "moe_experts_backend": "sequential",
+                 "moe_cuda_graph": False}
     if str(device).split(":")[0] != "cuda":
         return reference
     out = dict(reference, moe_experts_backend="grouped")

@@ -26,6 +26,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron_glm5.models.cuda_graphs import GraphedModule, moe_graph_blockers
 from megatron_glm5.models.mhc import HyperConnection, apply_hyper_connection_output
 
 
@@ -77,6 +78,10 @@ class Glm5TransformerLayer(MegatronModule):
             self.mlp = build_module(mlp_spec, config=config)
         if hasattr(self.mlp, "set_layer_number"):  # the MoE router logs its aux loss per layer (megatron contract)
             self.mlp.set_layer_number(layer_number)
+        # config.moe_cuda_graph: the MoE layer as replayed CUDA graphs where eligible (models/cuda_graphs.py)
+        self.mlp_graphs = None
+        if getattr(config, "moe_cuda_graph", False) and hasattr(self.mlp, "router"):
+            self.mlp_graphs = GraphedModule(self.mlp, self._moe)
         modules = (config.recompute_modules or []) if config.recompute_granularity == "selective" else []
         self.recompute_layernorm = "layernorm" in modules
         self.recompute_attention = "core_attn" in modules
@@ -102,9 +107,16 @@ class Glm5TransformerLayer(MegatronModule):
             return tensor_parallel.checkpoint(run, False, x, shared_topk_indices)
         return run(x, shared_topk_indices)
 
+    def _moe(self, x, padding_mask=None):
+        """megatron's MoELayer on ``x [s, b, h]`` -> ``[s, b, h]``: padding tokens (``padding_mask [b, s]``, True =
+        padding) leave the loads and aux losses."""
+        return self.mlp(x, padding_mask=padding_mask)[0]
+
     def _mlp(self, x, padding_mask=None):
-        if hasattr(self.mlp, "router"):  # megatron's MoELayer: padding tokens leave the loads and aux losses
-            return self.mlp(x, padding_mask=padding_mask)[0]
+        if hasattr(self.mlp, "router"):
+            if self.mlp_graphs is not None and not moe_graph_blockers(self.config):
+                return self.mlp_graphs(x, *(() if padding_mask is None else (padding_mask,)))
+            return self._moe(x, padding_mask)
         if self._recompute(self.recompute_mlp):
             return tensor_parallel.checkpoint(lambda x_: self.mlp(x_)[0], False, x)
         return self.mlp(x)[0]

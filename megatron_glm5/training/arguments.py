@@ -43,8 +43,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--hf-config", help="HF checkpoint dir or config.json giving the architecture")
     g.add_argument("--model-preset", choices=MODEL_PRESETS, help="built-in architecture instead of --hf-config")
     g.add_argument("--num-layers", type=int, help="override the number of decoder layers (a prefix of the schedule)")
-    g.add_argument("--kda-backend", choices=("torch", "fla"), help="KDA kernel (default: fla on CUDA, torch on CPU)")
-    g.add_argument("--dsa-backend", choices=("torch", "sparse"), help="sparse-attention kernel (default: torch)")
+    from megatron_glm5.config import DSA_BACKENDS, KDA_BACKENDS, MOE_EXPERTS_BACKENDS
+
+    g.add_argument("--kda-backend", choices=KDA_BACKENDS,
+                   help="KDA kernel (default: fla_fused on CUDA with flash-linear-attention, torch otherwise)")
+    g.add_argument("--dsa-backend", choices=DSA_BACKENDS,
+                   help="sparse-attention kernel (default: fused on CUDA with triton, torch otherwise)")
+    g.add_argument("--moe-experts-backend", choices=MOE_EXPERTS_BACKENDS,
+                   help="routed experts (default: grouped on CUDA, sequential on CPU)")
+    g.add_argument("--moe-cuda-graph", action="store_true",
+                   help="run the MoE layers as replayed CUDA graphs where eligible (CUDA; experimental)")
     g.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     g.add_argument("--init-method-std", type=float, default=None,
                    help="std of the random init (default: the config's initializer_range)")
@@ -351,6 +359,8 @@ def model_config_from_args(args, device: str):
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         kda_backend=args.kda_backend or backends["kda_backend"],
         dsa_backend=args.dsa_backend or backends["dsa_backend"],
+        moe_experts_backend=args.moe_experts_backend or backends["moe_experts_backend"],
+        moe_cuda_graph=backends["moe_cuda_graph"] or args.moe_cuda_graph,
     )
     if args.num_layers_per_virtual_pipeline_stage is not None:
         overrides["num_layers_per_virtual_pipeline_stage"] = args.num_layers_per_virtual_pipeline_stage

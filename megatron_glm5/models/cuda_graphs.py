@@ -1,0 +1,266 @@
+"""A module's forward and backward captured as CUDA graphs and replayed in its place (``config.moe_cuda_graph``).
+
+Why: a GLM MoE layer (megatron-core's ``MoELayer``: router, top-k, token permutation, grouped expert GEMMs,
+unpermutation, shared expert) launches about a hundred small kernels forward, and the Python that launches them
+costs more host time than the GPU needs for them at a few thousand tokens per step, so the forward waits for the
+host (H200, 2026-12-04: at 4K tokens the step's forward took 55 ms of host time for ~45 ms of kernels, the MoE
+layers about a third of that host time). A replayed graph launches the whole layer at once.
+
+What is captured, per input signature (shape, dtype and device of ``x`` and of the extra tensors):
+
+    forward   out = fn(x, *extras)                                    x [s, b, h] requires grad, out [s, b, h]
+    backward  (d_x, d_params) = autograd.grad(out, (x, *params), d_out)
+
+on static buffers in one private memory pool. :class:`GraphedModule` replays them through an autograd function,
+so the parameters' gradients reach ``.grad`` (and megatron DDP's grad hooks) as in eager mode; the forward's output
+is copied out of the pool (callers may keep it). What makes a replay wrong is caught before it happens:
+
+* **State captured by address.** Graphs read the parameters and buffers at the addresses they had at capture. A
+  replay first checks those addresses (``module.to(...)`` or a reassigned ``.data`` moves them) and captures
+  again if any moved. Buffers the forward updates in place (the router's ``local_tokens_per_expert`` for the
+  aux-loss-free expert bias) are updated by every replay as by every eager call; the warm-up and capture calls
+  themselves restore them, so they count each real step exactly once.
+* **Two forwards in flight.** A second forward through the same graphs before the first one's backward would
+  overwrite the activations that backward needs (a pipeline schedule with several micro-batches in flight): such
+  a forward runs eagerly. A forward whose autograd graph is dropped without a backward does not block later ones.
+* **Gradients kept across steps.** ``AccumulateGrad`` may keep a returned parameter-gradient buffer itself as
+  ``param.grad`` (no copy); before either graph replays again (the two share one pool), a ``.grad`` still aliasing
+  one is copied out, so gradient accumulation over micro-batches sums correctly. The input's gradient and the
+  output are returned as copies.
+
+Calls outside training (``module.training`` off, autograd off, autocast on, an input without gradient, a CPU
+tensor, or while another graph is being captured) run eagerly. Callers decide eligibility that depends on the model
+(:func:`moe_graph_blockers`): collectives, aux losses that log through Python state, activation recompute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["GraphedModule", "aliased_parameters", "moe_graph_blockers"]
+
+log = logging.getLogger(__name__)
+
+
+def moe_graph_blockers(config) -> List[str]:
+    """Why an MoE layer built from ``config`` cannot run as CUDA graphs (empty: it can). Graphs hold no
+    collectives here (no EP / expert-TP / TP / CP communication inside the layer), no aux or z-loss (their logging
+    goes through megatron's Python-side tracker), no token dropping (capacity) and no activation recompute (the
+    recompute pass would capture inside autograd's backward)."""
+    out = []
+    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
+                 "context_parallel_size"):
+        if (getattr(config, name, 1) or 1) != 1:
+            out.append(f"{name}={getattr(config, name)}")
+    if getattr(config, "moe_router_load_balancing_type", "none") not in (None, "none") and \
+            (getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0) != 0.0:
+        out.append("an aux loss")
+    if getattr(config, "moe_z_loss_coeff", None):
+        out.append("a z-loss")
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        out.append("token dropping (moe_expert_capacity_factor)")
+    if getattr(config, "moe_router_force_load_balancing", False) or getattr(config, "moe_input_jitter_eps", None):
+        out.append("random routing")
+    if getattr(config, "recompute_granularity", None) is not None:
+        out.append(f"recompute_granularity={config.recompute_granularity}")
+    if getattr(config, "moe_shared_expert_overlap", False):
+        out.append("moe_shared_expert_overlap")
+    return out
+
+
+@contextlib.contextmanager
+def aliased_parameters(module: torch.nn.Module, params: Sequence[torch.nn.Parameter]):
+    """Within the block every parameter in ``params`` is replaced, in every submodule of ``module`` holding it, by
+    a view of itself (same storage, so a captured graph reads the parameter's memory); yields the views, in order.
+
+    Gradients are then taken with respect to the views, not the leaf parameters: autograd never runs (or waits on
+    the stream of) the parameters' ``AccumulateGrad`` nodes while a graph is captured. Those nodes keep the stream
+    they were created on and may be kept alive from outside (megatron's DDP holds them for its gradient hooks); a
+    capture that waits on the default stream is invalidated.
+    """
+    aliases = {id(p): p.view_as(p) for p in params}
+    swapped = []
+    try:
+        for mod in module.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) in aliases:
+                    mod._parameters[name] = aliases[id(p)]
+                    swapped.append((mod, name, p))
+        yield [aliases[id(p)] for p in params]
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
+
+
+def check_aliases_carry_gradients(module: torch.nn.Module, params: Sequence[torch.nn.Parameter],
+                                  alias_grads: Sequence[Optional[torch.Tensor]],
+                                  leaf_grads: Sequence[Optional[torch.Tensor]]):
+    """Raise ``RuntimeError`` unless each parameter's whole gradient flowed through its alias (of
+    :func:`aliased_parameters`): a module that reaches a parameter some other way than its parameter slot (a
+    reference kept elsewhere) would lose that part of the gradient in the captured backward."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p, a, g in zip(params, alias_grads, leaf_grads):
+        if (a is None) != (g is None) or (a is not None and not torch.equal(a, g)):
+            raise RuntimeError(f"parameter {names.get(id(p), '?')} is used outside its module slot; "
+                               "its gradient would bypass the captured graph")
+
+
+class _Token:
+    """Marks a replayed forward whose backward has not run yet (held by the autograd node; weakly by the graphs)."""
+
+
+class _CapturedGraphs:
+    """The forward and backward graphs of one input signature, with their static buffers."""
+
+    def __init__(self, module: torch.nn.Module, fn: Callable, x: torch.Tensor, extras: Sequence[torch.Tensor],
+                 warmup: int):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.addresses = self._addresses(module)
+        buffers = [b for b in module.buffers()]
+        saved = [b.clone() for b in buffers]
+        self.static_x = x.detach().clone().requires_grad_(True)
+        self.static_extras = [e.detach().clone() for e in extras]
+
+        stream = torch.cuda.Stream(device=x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles, autotunes, lazy inits, cuBLAS handles
+            for i in range(max(warmup, 1)):
+                with aliased_parameters(module, self.params) as aliases:
+                    x_alias = self.static_x.view_as(self.static_x)
+                    out = fn(x_alias, *self.static_extras)
+                    leaves = tuple(self.params) if i == 0 else ()
+                    grads = torch.autograd.grad(out, (x_alias, *aliases, *leaves), torch.ones_like(out),
+                                                allow_unused=True)
+                if leaves:
+                    check_aliases_carry_gradients(module, self.params, grads[1:1 + len(aliases)],
+                                                  grads[1 + len(aliases):])
+                del out, grads
+        torch.cuda.current_stream(x.device).wait_stream(stream)
+
+        mode = os.environ.get("GLM5_CUDA_GRAPH_CAPTURE_MODE", "global")
+        try:
+            self.fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.fwd, capture_error_mode=mode):
+                with aliased_parameters(module, self.params) as aliases:
+                    x_alias = self.static_x.view_as(self.static_x)
+                    self.static_out = fn(x_alias, *self.static_extras)
+            self.static_grad_out = torch.zeros_like(self.static_out)
+            self.bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.bwd, pool=self.fwd.pool(), capture_error_mode=mode):
+                grads = torch.autograd.grad(self.static_out, (x_alias, *aliases), self.static_grad_out,
+                                            allow_unused=True)
+            self.static_grad_x = grads[0]
+            self.static_grad_params = list(grads[1:])
+        finally:
+            with torch.no_grad():  # the warm-up and capture calls ran the module: undo their in-place buffer updates
+                for b, s in zip(buffers, saved):
+                    b.copy_(s)
+        self.in_flight: Optional[weakref.ref] = None
+
+    @staticmethod
+    def _addresses(module: torch.nn.Module) -> Tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (*module.parameters(), *module.buffers()))
+
+    def valid_for(self, module: torch.nn.Module) -> bool:
+        return self._addresses(module) == self.addresses
+
+    def busy(self) -> bool:
+        return self.in_flight is not None and self.in_flight() is not None
+
+    def release_grads(self):
+        """Copy out any ``param.grad`` that is still one of the backward graph's gradient buffers (kept by
+        ``AccumulateGrad`` without a copy): the next replay of either graph reuses that memory."""
+        for p, g in zip(self.params, self.static_grad_params):
+            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
+
+
+class _Replay(torch.autograd.Function):
+    """Autograd node of one replayed forward: ``(graphs, x, *extras, *params) -> out``."""
+
+    @staticmethod
+    def forward(ctx, graphs: _CapturedGraphs, n_extras: int, x: torch.Tensor, *rest):
+        graphs.release_grads()
+        graphs.static_x.copy_(x)
+        for dst, src in zip(graphs.static_extras, rest[:n_extras]):
+            dst.copy_(src)
+        graphs.fwd.replay()
+        ctx.graphs, ctx.n_extras = graphs, n_extras
+        ctx.token = _Token()
+        graphs.in_flight = weakref.ref(ctx.token)
+        return graphs.static_out.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        graphs = ctx.graphs
+        graphs.release_grads()
+        graphs.static_grad_out.copy_(grad_out)
+        graphs.bwd.replay()
+        graphs.in_flight = None
+        ctx.token = None
+        grads_params = [None if g is None else g.detach() for g in graphs.static_grad_params]
+        return (None, None, graphs.static_grad_x.clone(), *([None] * ctx.n_extras), *grads_params)
+
+
+class GraphedModule:
+    """Runs ``fn(x, *extras)`` -- a function of ``module`` -- as replayed CUDA graphs when it can (see the module
+    docstring), eagerly otherwise. At most ``max_graphs`` input signatures are kept (least recently used dropped:
+    each holds its activations' memory).
+
+    Not a ``nn.Module`` on purpose: it owns no parameters (``module``'s stay where they are, in its state dict).
+    """
+
+    def __init__(self, module: torch.nn.Module, fn: Callable, max_graphs: int = 2, warmup: int = 2):
+        self.module, self.fn = module, fn
+        self.max_graphs, self.warmup = max_graphs, warmup
+        self.graphs: Dict[tuple, _CapturedGraphs] = {}
+        self.eager_calls = 0
+        self.replays = 0
+        self.disabled: Optional[str] = None  # why capturing failed, once it has
+
+    def reset(self):
+        """Drop every captured graph (their memory returns to the caching allocator once nothing else holds it)."""
+        self.graphs.clear()
+
+    @staticmethod
+    def _signature(x: torch.Tensor, extras: Sequence[torch.Tensor]) -> tuple:
+        return tuple((tuple(t.shape), t.dtype, t.device, t.stride()) for t in (x, *extras))
+
+    def eligible(self, x: torch.Tensor, extras: Sequence[Optional[torch.Tensor]]) -> bool:
+        return (x.is_cuda and self.module.training and torch.is_grad_enabled() and x.requires_grad
+                and not torch.is_autocast_enabled("cuda") and not torch.cuda.is_current_stream_capturing()
+                and all(e is not None and e.is_cuda and not e.requires_grad for e in extras))
+
+    def __call__(self, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
+        if self.disabled or not self.eligible(x, extras):
+            self.eager_calls += 1
+            return self.fn(x, *extras)
+        key = self._signature(x, extras)
+        graphs = self.graphs.pop(key, None)
+        if graphs is not None and not graphs.valid_for(self.module):
+            graphs = None  # parameters or buffers moved: capture again
+        if graphs is not None and graphs.busy():
+            self.graphs[key] = graphs
+            self.eager_calls += 1
+            return self.fn(x, *extras)
+        if graphs is None:
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.pop(next(iter(self.graphs)))
+            try:
+                graphs = _CapturedGraphs(self.module, self.fn, x, extras, self.warmup)
+            except RuntimeError as e:  # torch.AcceleratorError too: something in fn cannot be captured
+                self.disabled = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                log.warning("CUDA graph capture of %s failed, it runs eagerly from now on: %s",
+                            type(self.module).__name__, self.disabled)
+                torch.cuda.synchronize(x.device)
+                self.eager_calls += 1
+                return self.fn(x, *extras)
+        self.graphs[key] = graphs  # most recently used last
+        self.replays += 1
+        return _Replay.apply(graphs, len(extras), x, *extras, *graphs.params)

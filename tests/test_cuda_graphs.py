@@ -1,0 +1,253 @@
+"""The MoE layer as replayed CUDA graphs (``models/cuda_graphs.py``) against the same layer run eagerly: outputs,
+input and parameter gradients (with gradient accumulation over micro-batches), the expert-bias token counts, and
+every fallback (two forwards in flight, parameters moved, a forward dropped without backward, no autograd, CPU).
+The GPU tests need CUDA; the CPU ones check the eligibility rules and the eager fallback."""
+
+import pytest
+import torch
+
+from megatron_glm5.config import Glm5Config, tiny_hf_config
+from megatron_glm5.models.cuda_graphs import (
+    GraphedModule,
+    aliased_parameters,
+    check_aliases_carry_gradients,
+    moe_graph_blockers,
+)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _config(**over):
+    hf = tiny_hf_config(with_vision=False)
+    cfg = Glm5Config.from_hf(hf, moe_experts_backend="grouped", use_cpu_initialization=True, bf16=True)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _moe(device, dtype=torch.bfloat16, **over):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_glm5.models.layer_specs import get_moe_spec
+
+    cfg = _config(**over)
+    torch.manual_seed(0)
+    m = build_module(get_moe_spec(cfg), config=cfg, layer_number=2).to(device=device, dtype=dtype)
+    with torch.no_grad():  # a non-zero expert bias so routing is not trivially uniform
+        m.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, m.router.expert_bias.numel()))
+    return m.train()
+
+
+def _inputs(m, n, s=96, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    h = m.config.hidden_size
+    dev, dt = next(m.parameters()).device, next(m.parameters()).dtype
+    return [(torch.randn(s, 1, h, generator=g).to(dev, dt), torch.randn(s, 1, h, generator=g).to(dev))
+            for _ in range(n)]
+
+
+def _steps(m, call, batches, micro=2):
+    """Optimizer-free steps of ``micro`` micro-batches each: per micro-batch the output and the input gradient, per
+    step every parameter gradient (accumulated over the micro-batches), then the grads are dropped."""
+    outs, dxs, grads = [], [], []
+    for i in range(0, len(batches), micro):
+        for x, w in batches[i:i + micro]:
+            xi = x.clone().requires_grad_(True)
+            out = call(xi)
+            (out.float() * w).sum().backward()
+            outs.append(out.detach().float())
+            dxs.append(xi.grad.float())
+        grads.append({n: p.grad.detach().float().clone() for n, p in m.named_parameters() if p.grad is not None})
+        for p in m.parameters():
+            p.grad = None
+    return outs, dxs, grads
+
+
+def _diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def _assert_same(run_a, run_b, tol=0.0):
+    for key, (xs, ys) in enumerate(zip(run_a, run_b)):
+        assert len(xs) == len(ys) and len(xs) > 0
+        for x, y in zip(xs, ys):
+            if isinstance(x, dict):
+                assert x.keys() == y.keys()
+                for n in x:
+                    assert _diff(x[n], y[n]) <= tol, (key, n, _diff(x[n], y[n]))
+            else:
+                assert _diff(x, y) <= tol, (key, _diff(x, y))
+
+
+def _eager(m):
+    return lambda x: m(x)[0]
+
+
+# --------------------------------------------------------------------------------------------------------- CPU
+def test_blockers(mcore):
+    assert moe_graph_blockers(_config()) == []
+    assert moe_graph_blockers(_config(recompute_granularity="full")) == ["recompute_granularity=full"]
+    assert moe_graph_blockers(_config(expert_model_parallel_size=2)) == ["expert_model_parallel_size=2"]
+    assert moe_graph_blockers(_config(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3)) == \
+        ["an aux loss"]
+    assert moe_graph_blockers(_config(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.0)) == []
+    assert moe_graph_blockers(_config(moe_z_loss_coeff=1e-3)) == ["a z-loss"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback (megatron's router lives on the GPU there)")
+def test_cpu_runs_eagerly(mcore):
+    m = _moe("cpu", torch.float32)
+    batches = _inputs(m, 2)
+    eager = _steps(m, _eager(m), batches)
+    g = GraphedModule(m, _eager(m))
+    graphed = _steps(m, g, batches)
+    _assert_same(eager, graphed)
+    assert g.replays == 0 and g.eager_calls == 2 and not g.graphs
+
+
+def test_aliased_parameters_give_the_leaf_gradients(mcore):
+    """Gradients taken with respect to the parameter views of ``aliased_parameters`` (what the captured backward
+    computes) equal the eager ones; the parameters are back in place afterwards; a parameter reached outside its
+    slot is caught."""
+    m = _moe("cpu", torch.float32)
+    params = [p for p in m.parameters() if p.requires_grad]
+    x, w = _inputs(m, 1)[0]
+    xi = x.clone().requires_grad_(True)
+    (m(xi)[0] * w).sum().backward()
+    eager = [p.grad.clone() if p.grad is not None else None for p in params]
+    with aliased_parameters(m, params) as aliases:
+        assert all(a is not p and a.data_ptr() == p.data_ptr() for a, p in zip(aliases, params))
+        out = m(x.clone().requires_grad_(True))[0]
+        grads = torch.autograd.grad((out * w).sum(), (*aliases, *params), allow_unused=True)
+    assert all(a is b for a, b in zip(params, [p for p in m.parameters() if p.requires_grad]))
+    check_aliases_carry_gradients(m, params, grads[:len(params)], grads[len(params):])
+    for e, g in zip(eager, grads[:len(params)]):
+        assert (e is None) == (g is None)
+        if e is not None:
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+    # a gradient that reached a parameter around its alias
+    fake = [None if g is None else g * 0.5 for g in grads[:len(params)]]
+    with pytest.raises(RuntimeError, match="outside its module slot"):
+        check_aliases_carry_gradients(m, params, fake, grads[len(params):])
+
+
+def test_layer_builds_graphs_only_when_asked(mcore):
+    from megatron_glm5.models.builder import build_model, default_backends
+
+    assert default_backends("cpu")["moe_cuda_graph"] is False
+    assert default_backends("cuda")["moe_cuda_graph"] is False  # experimental: opt-in
+    for flag in (False, True):
+        cfg = Glm5Config.from_hf(tiny_hf_config(with_vision=False), use_cpu_initialization=True, moe_cuda_graph=flag)
+        model = build_model(cfg)
+        layers = [layer for layer in model.modules() if hasattr(layer, "mlp_graphs")]
+        moe_layers = [layer for layer in layers if hasattr(layer.mlp, "router")]
+        assert moe_layers
+        assert all((layer.mlp_graphs is not None) == flag for layer in moe_layers)
+        assert all(layer.mlp_graphs is None for layer in layers if not hasattr(layer.mlp, "router"))
+        assert not any("mlp_graphs" in k for k in model.state_dict())
+
+
+# --------------------------------------------------------------------------------------------------------- GPU
+@cuda
+def test_graphs_match_eager_with_gradient_accumulation(mcore):
+    """Three steps of two micro-batches each: the graphed layer gives the eager layer's outputs, input gradients,
+    accumulated parameter gradients and expert-bias token counts (the same kernels: no more difference than two
+    eager runs have between them)."""
+    m = _moe("cuda")
+    batches = _inputs(m, 6)
+    counts0 = m.router.local_tokens_per_expert.clone()
+    eager = _steps(m, _eager(m), batches)
+    eager_counts = m.router.local_tokens_per_expert - counts0
+    eager2 = _steps(m, _eager(m), batches)
+    tol = max(_diff(a, b) for a, b in zip(eager[0] + eager[1], eager2[0] + eager2[1]))
+    tol = max([tol] + [_diff(a[n], b[n]) for a, b in zip(eager[2], eager2[2]) for n in a])
+
+    g = GraphedModule(m, _eager(m))
+    counts1 = m.router.local_tokens_per_expert.clone()
+    graphed = _steps(m, g, batches)
+    assert g.replays == 6 and g.eager_calls == 0 and len(g.graphs) == 1
+    _assert_same(eager, graphed, tol)
+    torch.testing.assert_close(m.router.local_tokens_per_expert - counts1, eager_counts, rtol=0, atol=0)
+    assert all(torch.isfinite(t).all() for d in graphed[2] for t in d.values())
+
+
+@cuda
+def test_second_forward_in_flight_runs_eagerly(mcore):
+    """Two micro-batches forward, then both backward (a pipeline schedule's order): the second forward must not
+    overwrite the first's activations in the graph's pool, so it runs eagerly; the gradients are eager ones."""
+    m = _moe("cuda")
+    (x1, w1), (x2, w2) = _inputs(m, 2)
+
+    def both(call):
+        a, b = x1.clone().requires_grad_(True), x2.clone().requires_grad_(True)
+        o1, o2 = call(a), call(b)
+        ((o1.float() * w1).sum() + (o2.float() * w2).sum()).backward()
+        out = [o1.detach().float(), o2.detach().float(), a.grad.float(), b.grad.float()]
+        grads = {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
+        for p in m.parameters():
+            p.grad = None
+        return out, grads
+
+    ref, ref_grads = both(_eager(m))
+    g = GraphedModule(m, _eager(m))
+    both(g)  # captures
+    out, grads = both(g)
+    assert g.eager_calls == 2 and g.replays == 2
+    for a, b in zip(ref, out):
+        assert _diff(a, b) <= 1e-2 * b.abs().max().item()
+    for n in ref_grads:
+        assert _diff(ref_grads[n], grads[n]) <= 1e-2 * ref_grads[n].abs().max().item() + 1e-6, n
+
+
+@cuda
+def test_dropped_forward_and_moved_parameters(mcore):
+    """A forward whose graph is dropped without backward does not block the next replay; parameters given new
+    storage (``.data`` reassigned) are noticed and the graphs captured again; no-grad calls run eagerly."""
+    m = _moe("cuda")
+    batches = _inputs(m, 2)
+    g = GraphedModule(m, _eager(m))
+    _steps(m, g, batches)
+    first = next(iter(g.graphs.values()))
+    out = g(batches[0][0].clone().requires_grad_(True))
+    del out
+    with torch.no_grad():
+        g(batches[0][0])
+    assert g.eager_calls == 1
+    for p in m.parameters():
+        p.data = p.data.clone()
+    eager = _steps(m, _eager(m), batches)
+    graphed = _steps(m, g, batches)
+    assert next(iter(g.graphs.values())) is not first
+    assert g.eager_calls == 1
+    _assert_same(eager, graphed, 1e-2)
+
+
+@cuda
+def test_model_train_steps_match_eager(mcore):
+    """Whole tiny model, bf16, AdamW: losses of three steps with the MoE layers graphed equal the eager ones."""
+    from megatron_glm5.models.builder import build_model
+    from megatron_glm5.models.packing import make_packed_seq_params
+
+    losses = {}
+    for flag in (False, True):
+        cfg = Glm5Config.from_hf(tiny_hf_config(with_vision=False), use_cpu_initialization=True, bf16=True,
+                                 moe_experts_backend="grouped", moe_cuda_graph=flag, params_dtype=torch.float32)
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        model.to_dtype(torch.bfloat16)
+        model.cuda().train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        g = torch.Generator().manual_seed(3)
+        out = []
+        for _ in range(3):
+            ids = torch.randint(1, cfg.vocab_size - 1, (1, 64), generator=g).cuda()
+            psp = make_packed_seq_params(torch.tensor([0, 40, 64], dtype=torch.int32, device="cuda"))
+            loss = model(ids, labels=torch.roll(ids, -1, 1), packed_seq_params=psp).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.item())
+        graphed = [layer.mlp_graphs for layer in model.modules() if getattr(layer, "mlp_graphs", None) is not None]
+        assert all(gm.replays == 3 for gm in graphed) == flag and (len(graphed) > 0) == flag
+        losses[flag] = out
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3, abs=0)
