@@ -29,7 +29,6 @@ is copied out of the pool (callers may keep it). What makes a replay wrong is ca
   ``param.grad`` (no copy); before either graph replays again (the two share one pool), a ``.grad`` still aliasing
   one is copied out, so gradient accumulation over micro-batches sums correctly. The input's gradient and the
   output are returned as copies.
-
 * **A capture that fails** (something in ``fn`` cannot be captured) leaves the module eager from then on, with one
   warning.
 
@@ -45,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -139,28 +137,23 @@ class _CapturedGraphs:
         stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, autotunes, lazy inits, cuBLAS handles
             for i in range(max(warmup, 1)):
-                with aliased_parameters(module, self.params) as aliases:
-                    x_alias = self.static_x.view_as(self.static_x)
-                    out = fn(x_alias, *self.static_extras)
-                    leaves = tuple(self.params) if i == 0 else ()
-                    grads = torch.autograd.grad(out, (x_alias, *aliases, *leaves), torch.ones_like(out),
-                                                allow_unused=True)
+                out, x_alias, aliases = self._aliased_forward(module, fn)
+                leaves = tuple(self.params) if i == 0 else ()
+                grads = torch.autograd.grad(out, (x_alias, *aliases, *leaves), torch.ones_like(out),
+                                            allow_unused=True)
                 if leaves:
                     check_aliases_carry_gradients(module, self.params, grads[1:1 + len(aliases)],
                                                   grads[1 + len(aliases):])
                 del out, grads
         torch.cuda.current_stream(x.device).wait_stream(stream)
 
-        mode = os.environ.get("GLM5_CUDA_GRAPH_CAPTURE_MODE", "global")
         try:
             self.fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.fwd, capture_error_mode=mode):
-                with aliased_parameters(module, self.params) as aliases:
-                    x_alias = self.static_x.view_as(self.static_x)
-                    self.static_out = fn(x_alias, *self.static_extras)
+            with torch.cuda.graph(self.fwd):
+                self.static_out, x_alias, aliases = self._aliased_forward(module, fn)
             self.static_grad_out = torch.zeros_like(self.static_out)
             self.bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.bwd, pool=self.fwd.pool(), capture_error_mode=mode):
+            with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
                 grads = torch.autograd.grad(self.static_out, (x_alias, *aliases), self.static_grad_out,
                                             allow_unused=True)
             self.static_grad_x = grads[0]
@@ -170,6 +163,13 @@ class _CapturedGraphs:
                 for b, s in zip(buffers, saved):
                     b.copy_(s)
         self.in_flight: Optional[weakref.ref] = None
+
+    def _aliased_forward(self, module: torch.nn.Module, fn: Callable):
+        """``fn`` on a view of the static input with the parameters swapped for views (:func:`aliased_parameters`)
+        -> ``(out, input view, parameter views)``: what the warm-up runs and the forward graph records."""
+        with aliased_parameters(module, self.params) as aliases:
+            x_alias = self.static_x.view_as(self.static_x)
+            return fn(x_alias, *self.static_extras), x_alias, aliases
 
     @staticmethod
     def _addresses(module: torch.nn.Module) -> Tuple[int, ...]:
@@ -190,7 +190,8 @@ class _CapturedGraphs:
 
 
 class _Replay(torch.autograd.Function):
-    """Autograd node of one replayed forward: ``(graphs, x, *extras, *params) -> out``."""
+    """Autograd node of one replayed forward: ``(graphs, n_extras, x, *extras, *params) -> out`` (the parameters
+    are inputs so that their gradients, returned by the backward graph, reach ``AccumulateGrad``)."""
 
     @staticmethod
     def forward(ctx, graphs: _CapturedGraphs, n_extras: int, x: torch.Tensor, *rest):
