@@ -192,8 +192,9 @@ class Glm5Config(MLATransformerConfig):
     per input shape) instead of launching its ~100 kernels from Python every step: the GPU fast path for short
     steps, which wait for the host. Training on CUDA only, and only without collectives inside the layer (EP, TP,
     CP of 1), aux / z-loss, token dropping or activation recompute; otherwise, or in evaluation, the layer runs
-    eagerly. Same kernels as eager. Experimental, off by default: on an H200 (2026-12-04) it cut the 4K-token
-    proxy step from 178.7 to 160.3 ms, but its GPU test against the eager layer has not passed yet."""
+    eagerly. The same operations as eager (cuBLAS may pick other GEMM algorithms under capture: bf16 rounding).
+    Experimental, off by default: on an H200 (2026-12-04) it cut the 4K-token proxy step from 178.7 to 158.9 ms, but
+    not every GPU test passes yet and one benchmark run with it gave a NaN loss (``models/cuda_graphs.py``)."""
 
     # ---- vision / multimodal ----
     vision: Optional[Glm5VisionConfig] = None

@@ -10,7 +10,7 @@ top-``--topk``, ``index_topk`` 2048 / ``index_kpool`` 4, vision depth 1 (no imag
 transformers' ``Glm5NextForConditionalGeneration`` is built with its defaults (grouped_mm experts, FLA kernels where
 installed); ours by ``build_model`` with ``default_backends('cuda')`` unless ``--ours-backends`` says otherwise
 (``kda_backend=fla_fused,dsa_backend=fused,moe_experts_backend=grouped``; ``--ours-backends moe_cuda_graph=true``
-adds the experimental CUDA-graphed MoE layers).
+adds the experimental CUDA-graphed MoE layers). A step whose loss is not finite is reported as an error (exit 1).
 One document of ``s`` tokens per step. Printed per length: tokens/s, 6N-MFU against the bf16 matmul rate measured
 at the start (``N`` = active parameters: everything but the embedding and the vision tower, routed experts counted
 ``topk / experts``), peak memory, the ratio ours / transformers; then a CUDA-time profile (top kernels) of our step
@@ -28,6 +28,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -401,6 +402,7 @@ def main(argv=None) -> int:
     results = {"matmul_tflops": rate / 1e12, "backends": backends, "config": cfg, "runs": {}}
     profile_table = None
     n_active = None
+    nonfinite = []  # runs whose last step's loss was NaN / inf: their timings measured a broken step
     for kind in a.models.split(","):
         model = build_hf(cfg, dev, dtype) if kind == "hf" else build_ours(cfg, dev, dtype, backends)
         n_kind = active_params(model, experts, topk)
@@ -419,6 +421,8 @@ def main(argv=None) -> int:
                 t, peak, loss = time_steps(step, dev, a.warmup, a.iters)
                 rec.update(seconds=t, tokens_per_s=s / t, peak_gib=peak, loss=loss,
                            mfu=6.0 * n_kind * s / t / rate)
+                if not math.isfinite(loss):
+                    nonfinite.append(f"{kind} s={s}")
                 print(f"[{kind}] s={s:6d}{' (recompute)' if recompute else ''}: {t * 1e3:9.1f} ms/step  "
                       f"{s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  peak {peak:6.1f} GiB  "
                       f"loss {loss:.3f}", flush=True)
@@ -479,6 +483,10 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as fh:
             json.dump(results, fh, indent=2, default=str)
+    if nonfinite:
+        print(f"bench_train_step.py: error: non-finite loss in {', '.join(nonfinite)}: those timings are of a broken "
+              f"step", file=sys.stderr)
+        return 1
     return 0
 
 

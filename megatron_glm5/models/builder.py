@@ -24,7 +24,7 @@ def default_backends(device: str) -> dict:
     GPU test against the 'torch' layer passed on an H200 on 2026-12-03); the PyTorch references (and megatron-core's
     SequentialMLP) on CPU. (The mHC, expert-GLU and cross-entropy Triton kernels need no backend setting: they run
     whenever the tensors are on CUDA and triton is installed.) ``moe_cuda_graph`` (the MoE layers as replayed CUDA
-    graphs, ``models/cuda_graphs.py``) stays off by default until its GPU test has passed."""
+    graphs, ``models/cuda_graphs.py``) stays off: see that module's status."""
     reference = {"kda_backend": "torch", "dsa_backend": "torch", "moe_experts_backend": "sequential",
                  "moe_cuda_graph": False}
     if str(device).split(":")[0] != "cuda":

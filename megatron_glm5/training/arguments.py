@@ -51,8 +51,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="sparse-attention kernel (default: fused on CUDA with triton, torch otherwise)")
     g.add_argument("--moe-experts-backend", choices=MOE_EXPERTS_BACKENDS,
                    help="routed experts (default: grouped on CUDA, sequential on CPU)")
-    g.add_argument("--moe-cuda-graph", action="store_true",
-                   help="run the MoE layers as replayed CUDA graphs where eligible (CUDA; experimental)")
+    g.add_argument("--moe-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the MoE layers as replayed CUDA graphs where eligible (CUDA; experimental, off by "
+                        "default; they run eagerly under EP/TP/CP > 1, aux or z-loss, token dropping or recompute)")
     g.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     g.add_argument("--init-method-std", type=float, default=None,
                    help="std of the random init (default: the config's initializer_range)")
@@ -360,7 +361,7 @@ def model_config_from_args(args, device: str):
         kda_backend=args.kda_backend or backends["kda_backend"],
         dsa_backend=args.dsa_backend or backends["dsa_backend"],
         moe_experts_backend=args.moe_experts_backend or backends["moe_experts_backend"],
-        moe_cuda_graph=backends["moe_cuda_graph"] or args.moe_cuda_graph,
+        moe_cuda_graph=backends["moe_cuda_graph"] if args.moe_cuda_graph is None else args.moe_cuda_graph,
     )
     if args.num_layers_per_virtual_pipeline_stage is not None:
         overrides["num_layers_per_virtual_pipeline_stage"] = args.num_layers_per_virtual_pipeline_stage

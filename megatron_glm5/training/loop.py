@@ -38,6 +38,7 @@ from megatron_glm5.training import global_vars
 from megatron_glm5.training.arguments import fail, hf_config_dict, model_config_from_args, parse_args
 from megatron_glm5.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_glm5.training.logger import TrainingLogger, get_tensorboard_writer, print_rank_0
+from megatron_glm5.models.cuda_graphs import describe_graphed_modules
 from megatron_glm5.training.model_setup import setup_model_and_optimizer, unwrap_model
 
 
@@ -284,6 +285,9 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterators, valid
     if args.save and last_saved != iteration:
         save_checkpoint(iteration, model, optimizer, scheduler, consumed, args, hf_config, log=print_rank_0)
         print_rank_0(f"saved checkpoint at iteration {iteration} to {args.save}")
+    graphs = describe_graphed_modules(unwrap_model(model))
+    if graphs:
+        print_rank_0(graphs)
     logger.flush()
     return iteration
 
