@@ -35,12 +35,12 @@ is copied out of the pool (callers may keep it). What makes a replay wrong is ca
 Status (2026-12-04): experimental, off by default (``models.builder.default_backends``). On an H200 the
 4K-token proxy step went from 178.7 to 158.9 ms with it (8K: 299.1 to 292.7 ms). Of the GPU tests in
 ``tests/test_cuda_graphs.py`` the padding-mask, in-flight, dropped/moved-parameter and whole-model (3 AdamW steps)
-ones pass; ``test_graphs_match_eager_with_gradient_accumulation`` does not: its expert-bias token counts differed
-from eager by a few tokens (6 of ~2300 assignments) in one run, and it failed again after that check was relaxed, with
-the reason cut off (device time ran out). Replays are not bitwise the eager run (cuBLAS may pick other GEMM
-algorithms inside a capture), so a near-tied bf16 routing decision can go the other way. One benchmark run with the
-graphs (2K first, then 4K / 8K, on a model built once) gave a NaN loss at every length while an earlier one (4K first)
-did not; that run also loaded Triton autotuning results cached on another machine, so the cause is open.
+ones pass; ``test_graphs_match_eager_with_gradient_accumulation`` does not: its outputs and gradients matched, but
+the expert-bias token counts of six replayed micro-batches differed from eager by a few assignments (3 of 8 experts,
+at most 6 of ~370) -- with fp32 router logits that is not rounding, so a replay routed some tokens differently (cause
+open; a later run failed again with its reason cut off when device time ran out). One benchmark run with the graphs
+(2K first, then 4K / 8K, on a model built once) gave a NaN loss at every length while an earlier one (4K first) did
+not; that run also loaded Triton autotuning results cached on another machine, so that cause is open too.
 
 Calls outside training (``module.training`` off, autograd off, autocast on, an input without gradient, a CPU
 tensor, or while another graph is being captured) run eagerly. Callers decide eligibility that depends on the model
