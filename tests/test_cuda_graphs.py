@@ -33,6 +33,10 @@ def _moe(device, dtype=torch.bfloat16, **over):
     cfg = _config(**over)
     torch.manual_seed(0)
     m = build_module(get_moe_spec(cfg), config=cfg, layer_number=2).to(device=device, dtype=dtype)
+    # the router's buffers stay fp32, as in the model (Glm5Model._apply): bf16 token counts round above 256, so the
+    # counts added by the same forwards would depend on what the counter held before
+    m.router.expert_bias = m.router.expert_bias.float()
+    m.router.local_tokens_per_expert = m.router.local_tokens_per_expert.float()
     with torch.no_grad():  # a non-zero expert bias so routing is not trivially uniform
         m.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, m.router.expert_bias.numel()))
     return m.train()

@@ -35,12 +35,13 @@ is copied out of the pool (callers may keep it). What makes a replay wrong is ca
 Status (2026-12-04): experimental, off by default (``models.builder.default_backends``). On an H200 the
 4K-token proxy step went from 178.7 to 158.9 ms with it (8K: 299.1 to 292.7 ms). Of the GPU tests in
 ``tests/test_cuda_graphs.py`` the padding-mask, in-flight, dropped/moved-parameter and whole-model (3 AdamW steps)
-ones pass; ``test_graphs_match_eager_with_gradient_accumulation`` does not: its outputs and gradients matched, but
-the expert-bias token counts of six replayed micro-batches differed from eager by a few assignments (3 of 8 experts,
-at most 6 of ~370) -- with fp32 router logits that is not rounding, so a replay routed some tokens differently (cause
-open; a later run failed again with its reason cut off when device time ran out). One benchmark run with the graphs
-(2K first, then 4K / 8K, on a model built once) gave a NaN loss at every length while an earlier one (4K first) did
-not; that run also loaded Triton autotuning results cached on another machine, so that cause is open too.
+ones pass; ``test_graphs_match_eager_with_gradient_accumulation`` failed on its expert-bias token counts (3 of 8
+experts, at most 6 of ~370 apart) while outputs and gradients matched: the test's bare MoE layer, cast to bf16, kept
+its token counter in bf16 (the model keeps it fp32), where counts above 256 round, so the same six forwards added
+different amounts to counters that started at different values. The test now keeps the counter fp32, as the model
+does; that version has not run on a GPU yet. One benchmark run with the graphs (2K first, then 4K / 8K, on a model
+built once) gave a NaN loss at every length while an earlier one (4K first) did not; that run also loaded Triton
+autotuning results cached on another machine; the cause is open.
 
 Calls outside training (``module.training`` off, autograd off, autocast on, an input without gradient, a CPU
 tensor, or while another graph is being captured) run eagerly. Callers decide eligibility that depends on the model
