@@ -208,8 +208,11 @@ def set_recompute(kind: str, model, on: bool):
 def time_steps(step, dev: str, warmup: int, iters: int):
     import torch
 
+    first = None
     for _ in range(warmup):
         loss = step()
+        if first is None:
+            first = float(loss.detach())  # during warm-up: a NaN from the first step on is told from a later one
     _sync(dev)
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -221,7 +224,7 @@ def time_steps(step, dev: str, warmup: int, iters: int):
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else float("nan")
     times.sort()
-    return times[len(times) // 2], peak, float(loss.detach())
+    return times[len(times) // 2], peak, float(loss.detach()), first
 
 
 def profile_step(step, dev: str, top: int, out_path: str = None) -> str:
@@ -418,14 +421,15 @@ def main(argv=None) -> int:
             rec = {"recompute": recompute}
             try:
                 step, opt = make_step(kind, model, ids, dev)
-                t, peak, loss = time_steps(step, dev, a.warmup, a.iters)
-                rec.update(seconds=t, tokens_per_s=s / t, peak_gib=peak, loss=loss,
+                t, peak, loss, first_loss = time_steps(step, dev, a.warmup, a.iters)
+                rec.update(seconds=t, tokens_per_s=s / t, peak_gib=peak, loss=loss, first_loss=first_loss,
                            mfu=6.0 * n_kind * s / t / rate)
                 if not math.isfinite(loss):
                     nonfinite.append(f"{kind} s={s}")
                 print(f"[{kind}] s={s:6d}{' (recompute)' if recompute else ''}: {t * 1e3:9.1f} ms/step  "
                       f"{s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  peak {peak:6.1f} GiB  "
-                      f"loss {loss:.3f}", flush=True)
+                      f"loss {loss:.3f}" + ("" if first_loss is None else f" (first step {first_loss:.3f})"),
+                      flush=True)
                 rec["phases"] = step.phases.report()
                 print(f"[{kind}] s={s:6d} last step: {rec['phases']}", flush=True)
                 if kind == "ours" and s == a.profile_seq:
