@@ -34,11 +34,11 @@ from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megatron_glm5.cli import one_line
+from megatron_glm5.models.cuda_graphs import describe_graphed_modules
 from megatron_glm5.training import global_vars
 from megatron_glm5.training.arguments import fail, hf_config_dict, model_config_from_args, parse_args
 from megatron_glm5.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_glm5.training.logger import TrainingLogger, get_tensorboard_writer, print_rank_0
-from megatron_glm5.models.cuda_graphs import describe_graphed_modules
 from megatron_glm5.training.model_setup import setup_model_and_optimizer, unwrap_model
 
 
