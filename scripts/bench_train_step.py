@@ -386,6 +386,7 @@ def main(argv=None) -> int:
 
     from megatron_glm5.initialize import initialize_megatron
     from megatron_glm5.models.builder import default_backends
+    from megatron_glm5.models.cuda_graphs import graphed_modules
 
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -448,9 +449,8 @@ def main(argv=None) -> int:
                 print(f"[{kind}] s={s:6d}: ERROR {rec['error']}", flush=True)
             results["runs"][f"{kind}_{s}"] = rec
             step = opt = None
-            for m in model.modules():  # the MoE layers' CUDA graphs of this length hold its activations' memory
-                if getattr(m, "mlp_graphs", None) is not None:
-                    m.mlp_graphs.reset()
+            for graphs in graphed_modules([model]):  # the MoE graphs of this length hold its activations' memory
+                graphs.reset()
             gc.collect()
             if dev == "cuda":
                 torch.cuda.empty_cache()

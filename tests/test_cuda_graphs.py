@@ -11,6 +11,7 @@ from megatron_glm5.models.cuda_graphs import (
     GraphedModule,
     aliased_parameters,
     check_aliases_carry_gradients,
+    graphed_modules,
     moe_graph_blockers,
 )
 
@@ -287,7 +288,7 @@ def test_model_train_steps_match_eager(mcore):
             opt.step()
             opt.zero_grad(set_to_none=True)
             out.append(loss.item())
-        graphed = [layer.mlp_graphs for layer in model.modules() if getattr(layer, "mlp_graphs", None) is not None]
+        graphed = graphed_modules([model])
         if flag:
             assert graphed and all(gm.replays == 3 and gm.eager_calls == 0 and not gm.disabled for gm in graphed)
         else:

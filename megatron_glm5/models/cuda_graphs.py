@@ -57,7 +57,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["GraphedModule", "aliased_parameters", "moe_graph_blockers"]
+__all__ = ["GraphedModule", "aliased_parameters", "describe_graphed_modules", "graphed_modules", "moe_graph_blockers"]
 
 log = logging.getLogger(__name__)
 
@@ -283,12 +283,17 @@ class GraphedModule:
         return _Replay.apply(graphs, len(extras), x, *extras, *graphs.params)
 
 
+def graphed_modules(model_chunks: Sequence[torch.nn.Module]) -> List[GraphedModule]:
+    """The :class:`GraphedModule` s of a model's chunks (held by its layers as ``mlp_graphs``), in module order."""
+    return [m.mlp_graphs for chunk in model_chunks for m in chunk.modules()
+            if isinstance(getattr(m, "mlp_graphs", None), GraphedModule)]
+
+
 def describe_graphed_modules(model_chunks: Sequence[torch.nn.Module]) -> Optional[str]:
-    """One line on how the :class:`GraphedModule` s of a model ran (held by layers as ``mlp_graphs``), for the end
-    of a training run: ``"MoE CUDA graphs: 2 layers, 16 replays, 0 eager calls"`` (plus the reason when a capture
-    failed); None when the model has none."""
-    graphed = [m.mlp_graphs for chunk in model_chunks for m in chunk.modules()
-               if isinstance(getattr(m, "mlp_graphs", None), GraphedModule)]
+    """One line on how the :func:`graphed_modules` of a model ran, for the end of a training run: ``"MoE CUDA
+    graphs: 2 layers, 16 replays, 0 eager calls"`` (plus the reason when a capture failed); None when there are
+    none."""
+    graphed = graphed_modules(model_chunks)
     if not graphed:
         return None
     line = (f"MoE CUDA graphs: {len(graphed)} layers, {sum(g.replays for g in graphed)} replays, "
