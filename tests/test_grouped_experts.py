@@ -57,7 +57,7 @@ def test_same_parameters_and_checkpoint_keys(mcore):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: megatron's router moves a CPU weight to the GPU "
-                                                      "where there is one (failed that way on the H200)")
+                                                      "where there is one (it failed on the H200)")
 @pytest.mark.parametrize("force_grouped", [True, False])
 def test_grouped_matches_sequential_cpu(mcore, force_grouped):
     """fp32 on CPU: the grouped arithmetic (torch._grouped_mm's CPU kernel) and the fallback both equal the

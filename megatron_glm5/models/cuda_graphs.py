@@ -39,7 +39,8 @@ ones pass; ``test_graphs_match_eager_with_gradient_accumulation`` failed on its 
 experts, at most 6 of ~370 apart) while outputs and gradients matched: the test's bare MoE layer, cast to bf16, kept
 its token counter in bf16 (the model keeps it fp32), where counts above 256 round, so the same six forwards added
 different amounts to counters that started at different values. The test now keeps the counter fp32, as the model
-does; that version has not run on a GPU yet. A 2K-token benchmark run gave a NaN loss from the second step on:
+does, and passes on the H200 (2026-12-04, with the other eight of the file; the training-loop test did not finish
+within the call). A 2K-token benchmark run gave a NaN loss from the second step on:
 a probe (docs/performance.md, "The 2K NaN of the CUDA-graphed MoE layers") found the forward replay exact and every
 gradient of the first step right except layer 0's fc2 weight gradient of experts 8 and 9 -- 32 MiB of it, the size
 of cuBLAS's workspace, which the first capture allocates inside its own graph pool and every later capture reuses.
