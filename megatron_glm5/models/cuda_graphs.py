@@ -42,9 +42,10 @@ different amounts to counters that started at different values. The test now kee
 does, and passes on the H200 (2026-12-04, with the other eight of the file; the training-loop test did not finish
 within the call). A 2K-token benchmark run gave a NaN loss from the second step on:
 a probe (docs/performance.md, "The 2K NaN of the CUDA-graphed MoE layers") found the forward replay exact and every
-gradient of the first step right except layer 0's fc2 weight gradient of experts 8 and 9 -- 32 MiB of it, the size
-of cuBLAS's workspace, which the first capture allocates inside its own graph pool and every later capture reuses.
-Not yet confirmed nor fixed.
+gradient of the first step right except layer 0's fc2 weight gradient of experts 8 and 9 -- 32 MiB of it. Lead, not
+yet confirmed nor fixed: 32 MiB is cuBLAS's default workspace on Hopper, kept per (handle, stream); with every graph
+captured on PyTorch's one side stream, the first capture (layer 0's) allocates it inside its own graph pool and the
+later captures reuse its address.
 
 Calls outside training (``module.training`` off, autograd off, autocast on, an input without gradient, a CPU
 tensor, or while another graph is being captured) run eagerly. Callers decide eligibility that depends on the model
