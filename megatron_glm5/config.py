@@ -194,7 +194,8 @@ class Glm5Config(MLATransformerConfig):
     CP of 1), aux / z-loss, token dropping or activation recompute; otherwise, or in evaluation, the layer runs
     eagerly. The same operations as eager (cuBLAS may pick other GEMM algorithms under capture: bf16 rounding).
     Experimental, off by default: on an H200 (2026-12-04) it cut the 4K-token proxy step from 178.7 to 158.9 ms, but
-    not every GPU test passes yet and one benchmark run with it gave a NaN loss (``models/cuda_graphs.py``)."""
+    at 2K tokens its first backward gave a NaN weight gradient to two experts of the first MoE layer (cause not yet
+    confirmed, see ``models/cuda_graphs.py``)."""
 
     # ---- vision / multimodal ----
     vision: Optional[Glm5VisionConfig] = None
