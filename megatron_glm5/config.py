@@ -193,9 +193,8 @@ class Glm5Config(MLATransformerConfig):
     steps, which wait for the host. Training on CUDA only, and only without collectives inside the layer (EP, TP,
     CP of 1), aux / z-loss, token dropping or activation recompute; otherwise, or in evaluation, the layer runs
     eagerly. The same operations as eager (cuBLAS may pick other GEMM algorithms under capture: bf16 rounding).
-    Experimental, off by default: on an H200 (2026-12-04) it cut the 4K-token proxy step from 178.7 to 158.9 ms, but
-    at 2K tokens its first backward gave a NaN weight gradient to two experts of the first MoE layer (cause not yet
-    confirmed, see ``models/cuda_graphs.py``)."""
+    Off in the dataclass (CPU tests); ``models.builder.default_backends`` and the training arguments turn it on for
+    CUDA: on an H200 (2026-12-04) it cut the 4K-token proxy step from 178.7 to 159.8 ms."""
 
     # ---- vision / multimodal ----
     vision: Optional[Glm5VisionConfig] = None

@@ -9,17 +9,17 @@ decoder layers (``linear_attention`` x (L-1) then ``indexed_attention``), every 
 top-``--topk``, ``index_topk`` 2048 / ``index_kpool`` 4, vision depth 1 (no image in the batch), no MTP.
 transformers' ``Glm5NextForConditionalGeneration`` is built with its defaults (grouped_mm experts, FLA kernels where
 installed); ours by ``build_model`` with ``default_backends('cuda')`` unless ``--ours-backends`` says otherwise
-(``kda_backend=fla_fused,dsa_backend=fused,moe_experts_backend=grouped``; ``--ours-backends moe_cuda_graph=true``
-adds the experimental CUDA-graphed MoE layers). A step whose loss is not finite is reported as an error (exit 1).
-One document of ``s`` tokens per step. Printed per length: tokens/s, 6N-MFU against the bf16 matmul rate measured
-at the start (``N`` = active parameters: everything but the embedding and the vision tower, routed experts counted
-``topk / experts``), peak memory, the ratio ours / transformers; then a CUDA-time profile (top kernels) of our step
-at ``--profile-seq``. Lengths from ``--recompute-from`` on run with full activation recompute in both models
-(transformers' gradient checkpointing, our ``recompute_granularity='full'``); an OOM is reported, not fatal.
-``--sync-sites`` also lists the call sites that make the host wait for the GPU during our step at ``--profile-seq``
-(each one empties the launch queue; the step had none on 2026-12-03). ``--trace`` traces that step with Python
-stacks and reports the GPU's idle time charged to the frames that launched the kernel after each gap. Every length
-also prints the last timed step's phases (forward, backward, optimizer), host time against GPU time.
+(``kda_backend=fla_fused,dsa_backend=fused,moe_experts_backend=grouped,moe_cuda_graph=true``;
+``--ours-backends moe_cuda_graph=false`` runs the MoE layers eagerly). A step whose loss is not finite is reported
+as an error (exit 1). One document of ``s`` tokens per step. Printed per length: tokens/s, 6N-MFU against the bf16
+matmul rate measured at the start (``N`` = active parameters: everything but the embedding and the vision tower,
+routed experts counted ``topk / experts``), peak memory, the ratio ours / transformers; then a CUDA-time profile (top
+kernels) of our step at ``--profile-seq``. Lengths from ``--recompute-from`` on run with full activation recompute in
+both models (transformers' gradient checkpointing, our ``recompute_granularity='full'``); an OOM is reported, not
+fatal. ``--sync-sites`` also lists the call sites that make the host wait for the GPU during our step at
+``--profile-seq`` (each one empties the launch queue; the step had none on 2026-12-03). ``--trace`` traces that step
+with Python stacks and reports the GPU's idle time charged to the frames that launched the kernel after each gap.
+Every length also prints the last timed step's phases (forward, backward, optimizer), host time against GPU time.
 """
 
 from __future__ import annotations

@@ -24,12 +24,13 @@ def default_backends(device: str) -> dict:
     GPU test against the 'torch' layer passed on an H200 on 2026-12-03); the PyTorch references (and megatron-core's
     SequentialMLP) on CPU. (The mHC, expert-GLU and cross-entropy Triton kernels need no backend setting: they run
     whenever the tensors are on CUDA and triton is installed.) ``moe_cuda_graph`` (the MoE layers as replayed CUDA
-    graphs, ``models/cuda_graphs.py``) stays off: see that module's status."""
+    graphs, ``models/cuda_graphs.py``) is on for CUDA: layers that cannot run as graphs (collectives inside the
+    layer, aux losses, recompute) still run eagerly."""
     reference = {"kda_backend": "torch", "dsa_backend": "torch", "moe_experts_backend": "sequential",
                  "moe_cuda_graph": False}
     if str(device).split(":")[0] != "cuda":
         return reference
-    out = dict(reference, moe_experts_backend="grouped")
+    out = dict(reference, moe_experts_backend="grouped", moe_cuda_graph=True)
     try:
         import triton  # noqa: F401
 

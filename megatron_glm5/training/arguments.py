@@ -52,8 +52,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--moe-experts-backend", choices=MOE_EXPERTS_BACKENDS,
                    help="routed experts (default: grouped on CUDA, sequential on CPU)")
     g.add_argument("--moe-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the MoE layers as replayed CUDA graphs where eligible (CUDA; experimental, off by "
-                        "default; they run eagerly under EP/TP/CP > 1, aux or z-loss, token dropping or recompute)")
+                   help="run the MoE layers as replayed CUDA graphs where eligible (default: on with CUDA; they "
+                        "run eagerly under EP/TP/CP > 1, aux or z-loss, token dropping or recompute)")
     g.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     g.add_argument("--init-method-std", type=float, default=None,
                    help="std of the random init (default: the config's initializer_range)")
