@@ -84,10 +84,13 @@ def main(argv=None) -> int:
         dcol = g_col.view(s, h)
         proj_bwd = (lambda: K._proj_bwd(x2, hc.fn, dz, c, pre, dcol, n, h), 2 * sb + yb)
         sweeps = (  # (module knob, values, what it is, the timed function and its bytes)
-            ("APPLY_BWD_COLUMNS", (0, 512, 1024, 2048), "apply fwd+bwd, bwd columns per program (0: whole row)",
-             kernels["apply fwd+bwd"]),
-            ("_BWD_TILE_ELEMENTS", (2048, 4096, 8192), "apply fwd+bwd, bwd register tile (columns x n x n)",
-             kernels["apply fwd+bwd"]),
+            ("APPLY_BWD_ROWS", (32, 64, 128), "apply fwd+bwd, bwd stream rows per program", kernels["apply fwd+bwd"]),
+            ("APPLY_BWD_COLUMNS", (32, 64, 128), "apply fwd+bwd, bwd columns per step", kernels["apply fwd+bwd"]),
+            ("APPLY_BWD_WARPS", (4, 8), "apply fwd+bwd, bwd warps", kernels["apply fwd+bwd"]),
+            ("APPLY_BWD_PROGRAMS_PER_SM", (2, 4, 8), "apply fwd+bwd, bwd programs per SM", kernels["apply fwd+bwd"]),
+            ("PROJ_FWD_PROGRAMS_PER_SM", (2, 4, 8), "proj fwd, programs per SM", kernels["proj fwd (norm + x @ fn^T)"]),
+            ("PROJ_BWD_TOKENS", (16, 32, 64), "proj bwd, tokens per step", proj_bwd),
+            ("PROJ_BWD_WARPS", (4, 8), "proj bwd, warps", proj_bwd),
             ("PROJ_BWD_PROGRAMS_PER_SM", (4, 8, 16), "proj bwd, programs per SM", proj_bwd),
         )
         for knob, values, what, (fn, nbytes) in sweeps:

@@ -283,34 +283,37 @@ def test_fused_mhc_matches_reference_gpu(n, h, tokens, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,h,tokens,columns,tile", [(4, 4096, 300, 0, 4096), (4, 4096, 300, 1024, 4096),
-                                                     (3, 1000, 77, 0, 2048), (5, 333, 64, 128, 8192),
-                                                     (1, 96, 5, 0, 4096), (4, 64, 0, 0, 4096)])
-def test_fused_apply_output_backward_gpu(n, h, tokens, columns, tile, monkeypatch):
+@pytest.mark.parametrize("n,h,tokens,rows,columns,dtype", [
+    (4, 4096, 300, 64, 64, torch.bfloat16), (4, 4096, 300, 32, 128, torch.bfloat16),
+    (3, 1000, 77, 64, 64, torch.bfloat16), (5, 333, 64, 16, 32, torch.bfloat16), (1, 96, 5, 64, 64, torch.bfloat16),
+    (8, 200, 21, 64, 64, torch.bfloat16), (2, 130, 37, 128, 16, torch.bfloat16), (4, 64, 0, 64, 64, torch.bfloat16),
+    (4, 520, 50, 64, 64, torch.float32), (3, 100, 9, 32, 32, torch.float32)])
+def test_fused_apply_output_backward_gpu(n, h, tokens, rows, columns, dtype, monkeypatch):
     """The apply-output kernels (``post * y + comb^T @ streams``) against ``apply_output_reference`` on fresh random
-    bf16 inputs, forward and all four gradients, for column splits and tile sizes of the backward (its partial
-    d_post / d_comb sums over the splits), stream counts that are not powers of two and zero tokens. Both are
-    compared with an fp64 evaluation of the same formula; the fused error must be within 2x of the fp32 reference's."""
+    inputs, forward and all four gradients, for the backward's row / column tiles (its block-diagonal coefficient
+    dots, its partial d_post / d_comb summed over the column splits), stream counts that are not powers of two,
+    token counts that do not fill a tile, zero tokens, and bf16 or fp32 streams. Both are compared with an fp64
+    evaluation of the same formula; the fused error must be within 2x of the fp32 reference's."""
     pytest.importorskip("triton")
     from megatron_glm5.kernels import mhc as fused_mhc
 
+    monkeypatch.setattr(fused_mhc, "APPLY_BWD_ROWS", rows)
     monkeypatch.setattr(fused_mhc, "APPLY_BWD_COLUMNS", columns)
-    monkeypatch.setattr(fused_mhc, "_BWD_TILE_ELEMENTS", tile)
     gen = torch.Generator().manual_seed(n * 7 + h + tokens)
-    y = torch.randn(tokens, h, generator=gen).bfloat16().cuda()
-    s = torch.randn(tokens, n, h, generator=gen).bfloat16().cuda()
+    y = torch.randn(tokens, h, generator=gen).to(dtype).cuda()
+    s = torch.randn(tokens, n, h, generator=gen).to(dtype).cuda()
     post = torch.rand(tokens, n, generator=gen).cuda() * 2
     comb = torch.rand(tokens, n, n, generator=gen).cuda()
-    g = torch.randn(tokens, n, h, generator=gen).bfloat16().cuda()
+    g = torch.randn(tokens, n, h, generator=gen).to(dtype).cuda()
 
-    def run(fn, dtype):  # block output and streams in ``dtype``; post / comb stay fp32 (as the model passes them)
-        ins = [t.to(dtype if t.dtype == torch.bfloat16 else torch.promote_types(dtype, torch.float32)).clone()
+    def run(fn, run_dtype):  # block output and streams in ``run_dtype``; post / comb fp32 (as the model passes them)
+        ins = [t.to(run_dtype if t.dtype == dtype else torch.promote_types(run_dtype, torch.float32)).clone()
                .requires_grad_(True) for t in (y, s, post, comb)]
         out = fn(*ins)
         out.backward(g.to(out.dtype))
         return [out.detach().double()] + [t.grad.double() for t in ins]
 
-    fused = run(fused_mhc.apply_output, torch.bfloat16)
+    fused = run(fused_mhc.apply_output, dtype)
     exact = run(lambda a, b, c, d: c.unsqueeze(-1) * a.unsqueeze(-2) + torch.matmul(d.transpose(-1, -2), b),
                 torch.float64)
     ref = run(fused_mhc.apply_output_reference, torch.float32)
@@ -319,9 +322,12 @@ def test_fused_apply_output_backward_gpu(n, h, tokens, columns, tile, monkeypatc
         if tokens == 0:
             continue
         err, err_ref = _rel(f, e), _rel(r, e)
-        print(f"n={n} h={h} T={tokens} columns={columns} tile={tile} {name}: fused {err:.1e} (fp32 {err_ref:.1e})")
-        # bf16 outputs round once (2^-9 relative); the fp32 gradients match the fp32 reference's accuracy
-        assert err < (4e-3 if name in ("new", "d_y", "d_streams") else max(2 * err_ref, 1e-6)), (name, err)
+        print(f"n={n} h={h} T={tokens} rows={rows} columns={columns} {dtype} {name}: fused {err:.1e} "
+              f"(fp32 {err_ref:.1e})")
+        if dtype == torch.bfloat16 and name in ("new", "d_y", "d_streams"):
+            assert err < 4e-3, (name, err)  # bf16 outputs round once (2^-9 relative)
+        else:  # fp32 results match the fp32 reference's accuracy
+            assert err < max(2 * err_ref, 1e-6), (name, err, err_ref)
 
 
 @pytest.mark.gpu

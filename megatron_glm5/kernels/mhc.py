@@ -23,7 +23,7 @@ Input side (:func:`hyper_connection`, one ``autograd.Function``):
 
 Output side (:func:`apply_output`): ``new[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * streams[t, i]`` in fp32,
 rounded once to the streams' dtype; the backward gives ``d_y``, ``d_streams``, ``d_post`` and ``d_comb`` in one
-pass (``_apply_bwd_kernel``).
+pass (``_apply_bwd_kernel``: tiles of tokens x streams, every product a tensor-core dot).
 
 Only the inputs are saved (streams, the ``[T, M]`` mixes and ``[T]`` rstd); the fp32 ``[T, D]`` temporaries of the
 PyTorch version never exist. Index arithmetic is in int64 (``T * D`` passes 2^31 at long sequences).
@@ -185,38 +185,77 @@ if HAVE_TRITON:
         tl.store(OUT + (t * N + i[:, None]) * H + k[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _apply_bwd_kernel(G, Y, S, POST, COMB, DY, DS, DPOST, DCOMB, N, H, SPLIT, NP: tl.constexpr,
-                          BH: tl.constexpr):
-        """One token, columns ``[SPLIT * program_id(1), + SPLIT)``: ``DY = sum_j POST_j G_j``, ``DS_i = sum_j
-        COMB_ij G_j``, and this column range's partial ``DPOST_j = <G_j, Y>``, ``DCOMB_ij = <S_i, G_j>``
-        (``DPOST [T, splits, N]``, ``DCOMB [T, splits, N, N]``, summed over the splits by the caller)."""
-        t = tl.program_id(0).to(tl.int64)
+    def _apply_bwd_kernel(G, Y, S, POST, COMB, DY, DS, DPOST, DCOMB, T, N, H, SPLIT, NP: tl.constexpr,
+                          BT: tl.constexpr, BTP: tl.constexpr, BH: tl.constexpr, BF16: tl.constexpr):
+        """BT tokens, columns ``[SPLIT * program_id(1), + SPLIT)``, as ``R = BT * NP`` stream rows ``r = (t, i)``
+        (``NP`` = n padded to a power of two; padded rows are masked) and every product a tensor-core dot:
+
+        * ``DS [R, BH] = A_comb @ G`` with the block-diagonal ``A_comb[(t, i), (t, j)] = COMB[t, i, j]``;
+        * ``DY [BTP, BH] = A_post @ G`` with ``A_post[t, (t, j)] = POST[t, j]`` (``BTP >= BT`` rows, at least 16);
+        * ``acc_comb [R, R] += S @ G^T`` and ``acc_post [R, BTP] += G @ Y^T``, whose same-token entries are this
+          column range's partial ``DCOMB[t, i, j] = <S_i, G_j>`` and ``DPOST[t, j] = <G_j, Y>`` (``DPOST [T, splits,
+          N]``, ``DCOMB [T, splits, N, N]``, summed over the splits by the caller).
+
+        ``BF16`` (G, Y, S bf16): the fp32 coefficients enter as a bf16 high part plus a bf16 low part (relative error
+        ~2^-17, below the bf16 rounding of DS / DY) and every product of two bf16 values is exact in the fp32
+        accumulators. Otherwise (fp32 streams) the dots run in IEEE fp32. The off-diagonal blocks cost ``BT`` times
+        the useful products, which tensor cores absorb: the kernel is bound by its loads and stores."""
+        R: tl.constexpr = BT * NP
+        pid_t = tl.program_id(0)
         sp = tl.program_id(1)
-        ts = t * tl.num_programs(1) + sp
-        i = tl.arange(0, NP)
-        nmask = i < N
-        comb = tl.load(COMB + t * N * N + i[:, None] * N + i[None, :], mask=nmask[:, None] & nmask[None, :],
-                       other=0.0)
-        post = tl.load(POST + t * N + i, mask=nmask, other=0.0)
-        acc_post = tl.zeros([NP, BH], dtype=tl.float32)
-        acc_comb = tl.zeros([NP, NP, BH], dtype=tl.float32)
-        for k0 in range(sp * SPLIT, tl.minimum(sp * SPLIT + SPLIT, H), BH):
-            k = k0 + tl.arange(0, BH)
+        n_sp = tl.num_programs(1)
+        r = tl.arange(0, R)
+        r_tok = r // NP
+        r_i = r % NP
+        tok = pid_t.to(tl.int64) * BT + r_tok
+        rmask = (tok < T) & (r_i < N)
+        row = (tok * N + r_i) * H  # first element of stream row (t, i) in G / S / DS
+        c_tok = r_tok  # the same (token, stream) numbering along the columns of the coefficient matrices
+        c_j = r_i
+        same = r_tok[:, None] == c_tok[None, :]
+        a_comb = tl.load(COMB + tok[:, None] * N * N + r_i[:, None] * N + c_j[None, :],
+                         mask=rmask[:, None] & same & (c_j < N)[None, :], other=0.0)
+        u = tl.arange(0, BTP)
+        u_tok = pid_t.to(tl.int64) * BT + u
+        umask = (u < BT) & (u_tok < T)
+        a_post = tl.load(POST + u_tok[:, None] * N + c_j[None, :],
+                         mask=umask[:, None] & (u[:, None] == c_tok[None, :]) & (c_j < N)[None, :], other=0.0)
+        if BF16:
+            comb_hi = a_comb.to(tl.bfloat16)
+            comb_lo = (a_comb - comb_hi.to(tl.float32)).to(tl.bfloat16)
+            post_hi = a_post.to(tl.bfloat16)
+            post_lo = (a_post - post_hi.to(tl.float32)).to(tl.bfloat16)
+        acc_comb = tl.zeros([R, R], dtype=tl.float32)
+        acc_post = tl.zeros([R, BTP], dtype=tl.float32)
+        k_lo = sp * SPLIT
+        for k0 in range(0, SPLIT, BH):
+            k = k_lo + k0 + tl.arange(0, BH)
             kmask = k < H
-            mask = nmask[:, None] & kmask[None, :]
-            offs = (t * N + i[:, None]) * H + k[None, :]
-            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)  # [j, k]
-            s = tl.load(S + offs, mask=mask, other=0.0).to(tl.float32)  # [i, k]
-            y = tl.load(Y + t * H + k, mask=kmask, other=0.0).to(tl.float32)
-            dy = tl.sum(post[:, None] * g, axis=0)
-            tl.store(DY + t * H + k, dy.to(DY.dtype.element_ty), mask=kmask)
-            ds = tl.sum(comb[:, :, None] * g[None, :, :], axis=1)
-            tl.store(DS + offs, ds.to(DS.dtype.element_ty), mask=mask)
-            acc_post += g * y[None, :]
-            acc_comb += s[:, None, :] * g[None, :, :]
-        tl.store(DPOST + ts * N + i, tl.sum(acc_post, axis=1), mask=nmask)
-        tl.store(DCOMB + ts * N * N + i[:, None] * N + i[None, :], tl.sum(acc_comb, axis=2),
-                 mask=nmask[:, None] & nmask[None, :])
+            m2 = rmask[:, None] & kmask[None, :]
+            g = tl.load(G + row[:, None] + k[None, :], mask=m2, other=0.0)
+            s = tl.load(S + row[:, None] + k[None, :], mask=m2, other=0.0)
+            y = tl.load(Y + u_tok[:, None] * H + k[None, :], mask=umask[:, None] & kmask[None, :], other=0.0)
+            if BF16:
+                ds = tl.dot(comb_hi, g) + tl.dot(comb_lo, g)
+                dy = tl.dot(post_hi, g) + tl.dot(post_lo, g)
+                acc_comb = tl.dot(s, tl.trans(g), acc_comb)
+                acc_post = tl.dot(g, tl.trans(y), acc_post)
+            else:
+                ds = tl.dot(a_comb, g, input_precision="ieee")
+                dy = tl.dot(a_post, g, input_precision="ieee")
+                acc_comb = tl.dot(s, tl.trans(g), acc_comb, input_precision="ieee")
+                acc_post = tl.dot(g, tl.trans(y), acc_post, input_precision="ieee")
+            tl.store(DS + row[:, None] + k[None, :], ds.to(DS.dtype.element_ty), mask=m2)
+            tl.store(DY + u_tok[:, None] * H + k[None, :], dy.to(DY.dtype.element_ty),
+                     mask=umask[:, None] & kmask[None, :])
+        part = tok * n_sp + sp
+        # DCOMB[t, i, j] = acc_comb[(t, i), (t, j)]: keep the token's own block, sum the row's BT blocks of NP
+        d3 = tl.reshape(tl.where(same, acc_comb, 0.0), [R, BT, NP])
+        dcomb = tl.sum(d3, axis=1)
+        j = tl.arange(0, NP)
+        tl.store(DCOMB + (part * N + r_i)[:, None] * N + j[None, :], dcomb, mask=rmask[:, None] & (j < N)[None, :])
+        dpost = tl.sum(tl.where(r_tok[:, None] == u[None, :], acc_post, 0.0), axis=1)
+        tl.store(DPOST + part * N + r_i, dpost, mask=rmask)
 
 
 def _np2(n: int, lo: int = 2) -> int:
@@ -225,15 +264,21 @@ def _np2(n: int, lo: int = 2) -> int:
 
 _PROJ_BT, _PROJ_BD = 32, 128
 _COL_BH = 1024
-_BWD_TILE_ELEMENTS = 4096  # register budget of the apply-output backward: column block x n x n stream products
-# Columns per program of the apply-output backward (0: one program walks a token's whole row). Several programs per
-# token give more loads in flight, their partial d_post / d_comb summed after; on the H200 (scripts/bench_mhc.py,
-# 2026-12-03) 512 / 1024 / 2048 columns were 1-10 % slower than the whole row at 4K and 16K tokens. (A variant with
-# only two-dimensional tiles -- streams unrolled, d_comb from repeated-row loads -- was 6 % slower in the 4K train
-# step on 2026-12-04: 845 against 795 us a call.)
-APPLY_BWD_COLUMNS = 0
-# Programs per SM of the projection backward's grid (D blocks x token splits; each split adds a partial d_fn).
-PROJ_BWD_PROGRAMS_PER_SM = 4
+# Tiles of the apply-output backward: stream rows (tokens x padded streams) and columns per step, warps, and
+# programs per SM its grid aims at (each token's columns are split over programs until the grid has that many; each
+# split adds a partial d_post / d_comb). The whole-row, one-token-per-program kernel it replaced (three-dimensional
+# register tiles) ran at ~580 GB/s on the H200: 0.77 ms a call at 4K tokens.
+APPLY_BWD_ROWS = 64
+APPLY_BWD_COLUMNS = 64
+APPLY_BWD_WARPS = 4
+APPLY_BWD_PROGRAMS_PER_SM = 4
+# Programs per SM of the projection forward's grid (token blocks x D splits; each split adds a partial product).
+PROJ_FWD_PROGRAMS_PER_SM = 2
+# Programs per SM of the projection backward's grid (D blocks x token splits; each split adds a partial d_fn), its
+# tokens per step and warps.
+PROJ_BWD_PROGRAMS_PER_SM = 16
+PROJ_BWD_TOKENS = 32
+PROJ_BWD_WARPS = 4
 
 
 def _proj_fwd(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +287,7 @@ def _proj_fwd(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch
     M = fn.shape[0]
     MP = _np2(M, 16)
     n_t = triton.cdiv(T, _PROJ_BT)
-    splits = max(1, min(triton.cdiv(D, _PROJ_BD), triton.cdiv(2 * _NUM_SMS, n_t)))
+    splits = max(1, min(triton.cdiv(D, _PROJ_BD), triton.cdiv(PROJ_FWD_PROGRAMS_PER_SM * _NUM_SMS, n_t)))
     per = triton.cdiv(triton.cdiv(D, splits), _PROJ_BD) * _PROJ_BD
     splits = triton.cdiv(D, per)
     raw = torch.empty(splits, T, MP, device=x.device, dtype=torch.float32)
@@ -261,14 +306,15 @@ def _proj_bwd(x, fn, dz, c, pre, dc, n, h):
     M = fn.shape[0]
     MP = dz.shape[1]
     n_d = triton.cdiv(D, _PROJ_BD)
-    splits = max(1, min(triton.cdiv(T, _PROJ_BT), triton.cdiv(PROJ_BWD_PROGRAMS_PER_SM * _NUM_SMS, n_d)))
-    per = triton.cdiv(triton.cdiv(T, splits), _PROJ_BT) * _PROJ_BT
+    bt = PROJ_BWD_TOKENS
+    splits = max(1, min(triton.cdiv(T, bt), triton.cdiv(PROJ_BWD_PROGRAMS_PER_SM * _NUM_SMS, n_d)))
+    per = triton.cdiv(triton.cdiv(T, splits), bt) * bt
     splits = triton.cdiv(T, per)
     dx = torch.empty_like(x)
     dw = torch.empty(splits, MP, D, device=x.device, dtype=torch.float32)
     bf16 = x.dtype == fn.dtype == torch.bfloat16
-    _proj_bwd_kernel[(n_d, splits)](x, fn, dz, c, pre, dc, dx, dw, T, D, h, n, M, per, BT=_PROJ_BT, BD=_PROJ_BD,
-                                    MP=MP, BF16=bf16, num_warps=4)
+    _proj_bwd_kernel[(n_d, splits)](x, fn, dz, c, pre, dc, dx, dw, T, D, h, n, M, per, BT=bt, BD=_PROJ_BD,
+                                    MP=MP, BF16=bf16, num_warps=PROJ_BWD_WARPS)
     return dx, dw.sum(0)[:M]
 
 
@@ -352,14 +398,19 @@ class _ApplyOutputFunction(torch.autograd.Function):
         d_y = torch.empty_like(block_out)
         d_s = torch.empty_like(streams)
         np2 = _np2(n)
-        bh = max(16, _BWD_TILE_ELEMENTS // (np2 * np2))
-        split = h if APPLY_BWD_COLUMNS <= 0 else bh * max(1, APPLY_BWD_COLUMNS // bh)
+        bt = max(1, APPLY_BWD_ROWS // np2)
+        btp = max(16, bt)
+        bh = APPLY_BWD_COLUMNS
+        n_t = triton.cdiv(T, bt)
+        n_sp = max(1, min(triton.cdiv(h, bh), triton.cdiv(APPLY_BWD_PROGRAMS_PER_SM * _NUM_SMS, max(n_t, 1))))
+        split = triton.cdiv(triton.cdiv(h, n_sp), bh) * bh
         n_sp = triton.cdiv(h, split)
         d_post = torch.empty(T, n_sp, n, device=grad.device, dtype=torch.float32)
         d_comb = torch.empty(T, n_sp, n, n, device=grad.device, dtype=torch.float32)
         if T:
-            _apply_bwd_kernel[(T, n_sp)](grad, block_out, streams, post, comb, d_y, d_s, d_post, d_comb, n, h, split,
-                                         NP=np2, BH=bh, num_warps=4)
+            _apply_bwd_kernel[(n_t, n_sp)](grad, block_out, streams, post, comb, d_y, d_s, d_post, d_comb, T, n, h,
+                                           split, NP=np2, BT=bt, BTP=btp, BH=bh,
+                                           BF16=streams.dtype == torch.bfloat16, num_warps=APPLY_BWD_WARPS)
         d_post, d_comb = (d_post[:, 0], d_comb[:, 0]) if n_sp == 1 else (d_post.sum(1), d_comb.sum(1))
         return d_y, d_s, d_post.to(post.dtype), d_comb.to(comb.dtype)
 
