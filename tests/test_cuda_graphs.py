@@ -117,6 +117,40 @@ def test_cpu_runs_eagerly(mcore):
     assert g.replays == 0 and g.eager_calls == 2 and not g.graphs
 
 
+def test_replay_check_notices_replaced_and_moved_tensors():
+    """``_CapturedGraphs.valid_for`` (run before every replay, without walking the module tree unless something was
+    registered since): unchanged -> valid; an unrelated module built elsewhere -> still valid; storage moved
+    (``.data`` reassigned), a parameter put straight into ``_parameters`` (as ``Module._apply`` may), an assigned
+    ``nn.Parameter``, a new buffer or a replaced submodule -> not valid."""
+    from megatron_glm5.models.cuda_graphs import _CapturedGraphs
+
+    def fresh():
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        m.register_buffer("counts", torch.zeros(3))
+        g = object.__new__(_CapturedGraphs)  # only the bookkeeping of the parameters (the capture needs CUDA)
+        g._record_tensors(m)
+        return m, g
+
+    m, g = fresh()
+    assert g.valid_for(m)
+    torch.nn.Linear(2, 2)  # registrations elsewhere: the tree is walked again, nothing changed here
+    assert g.valid_for(m) and g.valid_for(m)
+    m[0].weight.data = m[0].weight.data.clone()
+    assert not g.valid_for(m)
+    m, g = fresh()
+    m[1]._parameters["bias"] = torch.nn.Parameter(m[1].bias.detach().clone())
+    assert not g.valid_for(m)
+    m, g = fresh()
+    m[0].weight = torch.nn.Parameter(m[0].weight.detach().clone())
+    assert not g.valid_for(m)
+    m, g = fresh()
+    m[1].register_buffer("extra", torch.ones(1))
+    assert not g.valid_for(m)
+    m, g = fresh()
+    m[0] = torch.nn.Linear(4, 4)
+    assert not g.valid_for(m)
+
+
 def test_aliased_parameters_give_the_leaf_gradients(mcore):
     """Gradients taken with respect to the parameter views of ``aliased_parameters`` (what the captured backward
     computes) equal the eager ones; the parameters are back in place afterwards; a parameter reached outside its

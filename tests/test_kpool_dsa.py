@@ -37,7 +37,7 @@ def _text_dict(**over):
 
 def _configs(backend="torch", **over):
     t = _text_dict(**over)
-    ours = Glm5Config.from_hf(dict(t), dsa_backend=backend)
+    ours = Glm5Config.from_hf(dict(t), dsa_backend=backend, use_cpu_initialization=True)  # CPU tensors, GPU or not
     hf = Glm5NextTextConfig(**t)
     hf._attn_implementation = "eager"
     return ours, hf

@@ -64,6 +64,35 @@ def test_kernel_matches_reference(dtype, b, s, H, R, W):
     assert e_o < tol and e_q < tol and e_k < 2 * tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,s,H,R,W", [(1, 160, 64, 512, 150), (2, 96, 20, 32, 70)])
+def test_kernel_reads_head_major_queries_and_gradients(dtype, b, s, H, R, W):
+    """Queries laid out head-major (``[H, b, s, R]`` memory, as the DSA layer's einsum makes them) and an output
+    gradient in that layout are read in place: the output and dq equal the contiguous run's bitwise (same
+    arithmetic, no copies), dkv to its fp32 atomics' order."""
+    from megatron_glm5.kernels.sparse_mla import sparse_mla
+
+    gen = torch.Generator().manual_seed(s * H + R)
+    q_hm = torch.randn(H, b, s, R, generator=gen).cuda().to(dtype)
+    kv0 = torch.randn(b, s, R, generator=gen).cuda().to(dtype)
+    idx = _random_selection(b, s, W, gen).cuda()
+    w_hm = torch.randn(H, b, s, R, generator=gen).cuda()
+    scale = R ** -0.5
+
+    def run(head_major):
+        store = (q_hm if head_major else q_hm.permute(1, 2, 0, 3).contiguous()).clone().requires_grad_(True)
+        q = store.permute(1, 2, 0, 3) if head_major else store
+        kv = kv0.clone().requires_grad_(True)
+        out = sparse_mla(q, kv, idx, scale)
+        (out.permute(2, 0, 1, 3).float() * w_hm).sum().backward()  # dO arrives head-major too
+        dq = store.grad.permute(1, 2, 0, 3) if head_major else store.grad
+        return out.detach(), dq, kv.grad
+
+    (o_c, dq_c, dkv_c), (o_h, dq_h, dkv_h) = run(False), run(True)
+    assert torch.equal(o_h, o_c) and torch.equal(dq_h, dq_c)
+    assert _rel(dkv_h, dkv_c) < (1e-6 if dtype == torch.float32 else 2e-3)
+
+
 @pytest.mark.parametrize("b,s,H,R,W", [(1, 200, 16, 64, 45), (1, 160, 64, 512, 150)])
 def test_fused_backward_in_bf16(monkeypatch, b, s, H, R, W):
     """The single fused backward kernel (the fp32 default) stays right for bf16 too; and the transposed-form dkv

@@ -220,6 +220,21 @@ def test_gather_sum_matches_reference_gpu(N, h, T, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,h,T", [(4096, 4096, 32768), (300, 1000, 77), (17, 1, 9), (40, 2049, 0), (5, 4097, 64)])
+def test_gather_rows_is_index_select_gpu(N, h, T, dtype):
+    """``gather_rows`` (the permute's gather and the unpermute's backward) is bitwise ``index_select`` on fresh
+    random rows and indices (repeats, odd widths, no rows, a strided source)."""
+    gen = torch.Generator(device="cuda").manual_seed(N + h + T)
+    src = torch.randn(N, h + 2, device="cuda", generator=gen).to(dtype)
+    rows = torch.randint(0, N, (T,), device="cuda", generator=gen)
+    for s in (src[:, :h].contiguous(), src[:, :h]):
+        out = gather_sum_mod.gather_rows(s, rows)
+        assert out.shape == (T, h) and out.dtype == dtype
+        assert torch.equal(out, s.index_select(0, rows))
+
+
+@pytest.mark.gpu
 def test_unpermute_matches_megatron_core_gpu():
     """On CUDA in bf16 at training-like sizes: output at least as close to the exact sum as upstream's scatter_add_,
     the same gradient."""

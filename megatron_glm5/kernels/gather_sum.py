@@ -4,7 +4,9 @@ Shapes: ``src [N, h]`` (any float dtype), ``index [T, k]`` int64 (rows of ``src`
 allowed) -> ``out [T, h]`` in ``src.dtype``, summed in fp32 and rounded once.
 
 This is the MoE token unpermute (``src`` the ``[T * k, h]`` expert outputs, ``index`` each token's ``k`` rows) and
-the permute's backward (``src`` the permuted rows' gradient). megatron-core does both as a scatter-add into a zeroed
+the permute's backward (``src`` the permuted rows' gradient); with ``k = 1`` (:func:`gather_rows`) the permute itself
+and the unpermute's backward (``src[rows]``; on the H200 at 4K tokens x 8 copies x 4096 columns about twice as fast
+as ``index_select``'s gather kernel). megatron-core does both as a scatter-add into a zeroed
 ``[T, h]``: atomics, ``k`` roundings per element in bf16, in an order that differs run to run. Here every output
 element is written once, by one program, in a fixed order.
 
@@ -21,7 +23,7 @@ import torch
 
 from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["gather_sum", "gather_sum_reference"]
+__all__ = ["gather_rows", "gather_sum", "gather_sum_reference"]
 
 BLOCK_T = 4
 """Tokens per program."""
@@ -75,3 +77,12 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if not (HAVE_TRITON and src.is_cuda):
         return gather_sum_reference(src, index)
     return _launch(src, index)
+
+
+def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``src [N, h]``, ``rows [T]`` int64 -> ``src[rows]`` ``[T, h]`` (bitwise: one row per sum): the
+    :func:`gather_sum` kernel with ``k = 1`` on CUDA, ``index_select`` elsewhere."""
+    assert src.dim() == 2 and rows.dim() == 1, (src.shape, rows.shape)
+    if not (HAVE_TRITON and src.is_cuda):
+        return src.index_select(0, rows)
+    return _launch(src, rows.view(-1, 1))

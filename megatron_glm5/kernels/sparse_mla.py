@@ -183,15 +183,16 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sparse_mla_bwd_kernel(Q, KV, O, DO, LSE, IDX, NEND, DQ, DKV, qk_scale, sm_scale,
-                               stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
-                               R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                               stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot,
+                               stride_doh, H, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                PREC: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DKV: tl.constexpr,
                                VEC_RED: tl.constexpr):
-        # O, DO and DQ share one layout (stride_ot, stride_oh); Q has its own; DKV is fp32 [T, R] contiguous.
+        # O and DQ share one layout (stride_ot, stride_oh); Q and DO have their own; DKV is fp32 [T, R] contiguous.
         t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
                                                              stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         o_off = t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
-        do = tl.load(DO + o_off, mask=h_ok[:, None], other=0.0)
+        do = tl.load(DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_r[None, :], mask=h_ok[:, None],
+                     other=0.0)
         o = tl.load(O + o_off, mask=h_ok[:, None], other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                  # [BLOCK_H]
         lse = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf"))
@@ -211,9 +212,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sparse_mla_bwd_dkv_t_kernel(Q, KV, O, DO, LSE, IDX, NEND, DKV, SCRATCH, qk_scale, sm_scale,
-                                     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, T, H,
-                                     N_HBLOCKS, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     PREC: tl.constexpr):
+                                     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot,
+                                     stride_doh, T, H, N_HBLOCKS, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         """dkv alone, as ``dkv^T = dO^T P + scale q^T dS`` (``[R, BLOCK_N]`` per step), scattered with fp32 atomics.
 
         q and dO ``[BLOCK_H, R]`` are the A operand of every product (``S = q c^T``, ``dP = dO c^T`` and, transposed,
@@ -232,7 +233,8 @@ if HAVE_TRITON:
             t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, t, work % N_HBLOCKS, stride_qt, stride_qh, H, R,
                                                                  BLOCK_H, BLOCK_N)
             o_off = t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
-            do = tl.load(DO + o_off, mask=h_ok[:, None], other=0.0)
+            do = tl.load(DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_r[None, :], mask=h_ok[:, None],
+                         other=0.0)
             o = tl.load(O + o_off, mask=h_ok[:, None], other=0.0)
             delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                  # [BLOCK_H]
             lse = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf"))
@@ -320,7 +322,8 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
     """Gradients ``(dq [T, H, R] in q.dtype, dkv [T, R] in kv.dtype)``. ``passes``: explicit list of
     ``(compute_dq, compute_dkv)`` kernel launches (benchmarks time the two halves separately)."""
     T, H, R = q.shape
-    do = do.contiguous()
+    if do.stride(-1) != 1:
+        do = do.contiguous()
     dq = torch.empty_like(o)
     dkv = torch.zeros(T, R, device=kv.device, dtype=torch.float32)
     half = q.element_size() == 2               # fp32 products run without tensor cores (ieee): no staging to fit
@@ -335,14 +338,14 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
             scratch = torch.empty(programs, 2, bh, cfg["BLOCK_N"], device=q.device, dtype=q.dtype)
             _sparse_mla_bwd_dkv_t_kernel[(programs,)](
                 q, kv, o, do, lse, idx, n_end, dkv, scratch, scale * _LOG2E, scale,
-                q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), T, H, n_hblocks,
-                R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+                q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), do.stride(0),
+                do.stride(1), T, H, n_hblocks, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             continue
         _sparse_mla_bwd_kernel[(T, n_hblocks)](
             q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
-            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), H,
-            R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), do.stride(0),
+            do.stride(1), H, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
             COMPUTE_DQ=compute_dq, COMPUTE_DKV=compute_dkv, VEC_RED=int(cfg.get("vec_red", 0)) if R % 4 == 0 else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq.to(q.dtype), dkv.to(kv.dtype)
@@ -399,7 +402,9 @@ def sparse_mla(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Te
     if R & (R - 1) or R < 16:
         raise ValueError(f"sparse_mla needs a power-of-two latent width >= 16, got {R}")
     idx, n_end = prepared if prepared is not None else prepare_indices(topk_indices, t)
-    q = q_lat.reshape(b * s, H, R).contiguous()
+    q = q_lat.reshape(b * s, H, R)
+    if q.stride(-1) != 1:  # any other layout with unit-stride rows is read as it is (o and dq take it too)
+        q = q.contiguous()
     kv = kv_lat.reshape(b * t, R).contiguous().to(q.dtype)
     o = _SparseMLAFunction.apply(q, kv, idx, n_end, float(scale))
     return o.reshape(b, s, H, R)

@@ -18,10 +18,11 @@ so the parameters' gradients reach ``.grad`` (and megatron DDP's grad hooks) as 
 is copied out of the pool (callers may keep it). What makes a replay wrong is caught before it happens:
 
 * **State captured by address.** Graphs read the parameters and buffers at the addresses they had at capture. A
-  replay first checks those addresses (``module.to(...)`` or a reassigned ``.data`` moves them) and captures
-  again if any moved. Buffers the forward updates in place (the router's ``local_tokens_per_expert`` for the
-  aux-loss-free expert bias) are updated by every replay as by every eager call; the warm-up and capture calls
-  themselves restore them, so they count each real step exactly once.
+  replay first checks that the module still holds the same tensors at those addresses (``module.to(...)`` or a
+  reassigned ``.data`` moves them, an assigned ``nn.Parameter`` replaces one) and captures again if not. Buffers
+  the forward updates in place (the router's ``local_tokens_per_expert`` for the aux-loss-free expert bias) are
+  updated by every replay as by every eager call; the warm-up and capture calls themselves restore them, so they
+  count each real step exactly once.
 * **Two forwards in flight.** A second forward through the same graphs before the first one's backward would
   overwrite the activations that backward needs (a pipeline schedule with several micro-batches in flight): such
   a forward runs eagerly. A forward whose autograd graph is dropped without a backward does not block later ones.
@@ -53,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -155,6 +156,21 @@ def cublas_workspaces_of_capture(device: torch.device):
         clear()
 
 
+# Parameters, buffers and submodules registered on any module so far (``module.weight = nn.Parameter(...)``,
+# ``register_buffer``, ``module.child = ...``): a captured graph lists its module's tensors once and walks the
+# module tree again only after this moved, instead of on every replay.
+_REGISTRATIONS = [0]
+
+
+def _count_registration(*_args):
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
 class _Token:
     """Marks a replayed forward whose backward has not run yet (held by the autograd node; weakly by the graphs)."""
 
@@ -165,7 +181,7 @@ class _CapturedGraphs:
     def __init__(self, module: torch.nn.Module, fn: Callable, x: torch.Tensor, extras: Sequence[torch.Tensor],
                  warmup: int):
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.addresses = self._addresses(module)
+        self._record_tensors(module)
         buffers = [b for b in module.buffers()]
         saved = [b.clone() for b in buffers]
         self.static_x = x.detach().clone().requires_grad_(True)
@@ -210,11 +226,30 @@ class _CapturedGraphs:
             return fn(x_alias, *self.static_extras), x_alias, aliases
 
     @staticmethod
-    def _addresses(module: torch.nn.Module) -> Tuple[int, ...]:
-        return tuple(t.data_ptr() for t in (*module.parameters(), *module.buffers()))
+    def _slots(module: torch.nn.Module) -> list:
+        """``(owning dict, name, tensor)`` of every parameter and buffer of ``module`` and its submodules."""
+        return [(d, name, t) for m in module.modules() for d in (m._parameters, m._buffers)
+                for name, t in d.items() if t is not None]
+
+    def _record_tensors(self, module: torch.nn.Module):
+        """The module's parameters and buffers, their addresses and the registration count they were read at."""
+        self.slots = self._slots(module)
+        self.addresses = tuple(t.data_ptr() for _, _, t in self.slots)
+        self.registrations = _REGISTRATIONS[0]
 
     def valid_for(self, module: torch.nn.Module) -> bool:
-        return self._addresses(module) == self.addresses
+        """Whether the graphs still read the module's parameters and buffers: the same tensors in the same slots
+        (``Module._apply`` may put new ones straight into ``_parameters``; after a registration anywhere -- a new
+        parameter, buffer or submodule -- the module tree is walked again) at the same addresses (``param.data =
+        ...``, as megatron's DDP and ``Module.to`` do, moves them). Cheap enough for every replay: no walk of the
+        module tree unless something was registered."""
+        if self.registrations != _REGISTRATIONS[0]:
+            slots = self._slots(module)
+            if len(slots) != len(self.slots) or any(a[2] is not b[2] for a, b in zip(slots, self.slots)):
+                return False
+            self.slots, self.registrations = slots, _REGISTRATIONS[0]
+        return (all(d.get(name) is t for d, name, t in self.slots)
+                and tuple(t.data_ptr() for _, _, t in self.slots) == self.addresses)
 
     def busy(self) -> bool:
         return self.in_flight is not None and self.in_flight() is not None

@@ -214,8 +214,10 @@ class KPoolIndexer(MegatronModule):
         n_pools = pool_doc.numel()
         pool_keys = self.pooled_keys(keys, gates, pool_tokens).float()                # [b, P, D]
         doc = document_ids(cu, S)[off:off + s]                                     # [s]
+        pool_first = pool_tokens[:, 0].contiguous()                                # a pool: kp consecutive tokens
+        slot = torch.arange(kp, device=device, dtype=torch.int32)
 
-        pool_part = torch.full((b, s, self.index_topk), -1, dtype=torch.long, device=device)
+        pool_part = torch.full((b, s, self.index_topk), -1, dtype=torch.int32, device=device)
         max_select = self.index_topk // kp
         fused = self.use_fused_scores and q.is_cuda and indexer_scores.HAVE_TRITON
         # the PyTorch scores hold [b, chunk, H, p] per-head values; the fused kernel writes only [b, chunk, p]
@@ -239,13 +241,11 @@ class KPoolIndexer(MegatronModule):
             # queries are chunked or cut over CP ranks (the candidate range differs)
             selected = topk_first_on_ties(index_scores, k)                         # [b, c, k]
             selected_valid = valid.expand(b, -1, -1).gather(-1, selected)          # [b, c, k]
-            tokens = pool_tokens[lo + selected]                                    # [b, c, k, kp]
-            tokens = tokens.masked_fill(~selected_valid[..., None], -1).flatten(-2)
-            pool_part[:, a:e, : k * kp] = tokens
+            first = torch.take(pool_first, selected + lo).to(torch.int32)          # [b, c, k]
+            tokens = torch.where(selected_valid[..., None], first[..., None] + slot, -1)   # [b, c, k, kp]
+            pool_part[:, a:e, : k * kp] = tokens.flatten(-2)
 
         if self.always_select_tail and kp > 1:
             tail = kpool_tail_indices(cu, S, kp)[off:off + s][None].expand(b, -1, -1)
-            out = torch.cat([pool_part, tail], dim=-1)
-        else:
-            out = pool_part
-        return out.to(torch.int32)
+            return torch.cat([pool_part, tail.to(torch.int32)], dim=-1)
+        return pool_part

@@ -22,7 +22,8 @@ The way back, ``moe_utils.unpermute``, is the same scatter-add in the other dire
 of ``[T * k, h]`` rows into ``[T, h]``). :func:`permute` attaches each token's rows to the ``sorted_indices`` it
 returns, as the attribute ``sorted_indices.copy_positions`` (``[T, k]`` int64; the dispatchers hand that very tensor
 back to ``unpermute``), and :func:`unpermute` then computes ``out[t] = sum_j permuted[positions[t, j]]`` with the
-same ``gather_sum`` (backward: ``grad[sorted_indices]``, upstream's gather). Calls with ``probs``, ``drop_and_pad``,
+same ``gather_sum`` (backward: ``grad[sorted_indices]``, :func:`~megatron_glm5.kernels.gather_sum.gather_rows`, as is the
+permute's own gather). Calls with ``probs``, ``drop_and_pad``,
 ``fused`` or ``sorted_indices`` from elsewhere (no attribute) run upstream's function.
 
 On one expert-and-tensor-parallel rank (``ep * tp == 1``, dropless) the all-to-all dispatcher has two more costs
@@ -43,7 +44,7 @@ from typing import Optional, Tuple
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-from megatron_glm5.kernels.gather_sum import gather_sum
+from megatron_glm5.kernels.gather_sum import gather_rows, gather_sum
 
 _upstream_permute = moe_utils.permute
 _upstream_unpermute = moe_utils.unpermute
@@ -76,7 +77,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, sorted_indices, positions):
         ctx.save_for_backward(positions)
-        return tokens.index_select(0, sorted_indices)
+        return gather_rows(tokens, sorted_indices)
 
     @staticmethod
     def backward(ctx, grad_permuted):
@@ -95,7 +96,7 @@ class _ScatterTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_tokens):
         (sorted_indices,) = ctx.saved_tensors
-        return grad_tokens.index_select(0, sorted_indices), None, None
+        return gather_rows(grad_tokens, sorted_indices), None, None
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
@@ -117,7 +118,7 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
     if torch.is_grad_enabled() and tokens.requires_grad:
         permuted = _GatherTokens.apply(tokens, sorted_indices, positions)
     else:
-        permuted = tokens.index_select(0, sorted_indices)
+        permuted = gather_rows(tokens, sorted_indices)
     sorted_indices.copy_positions = positions      # for unpermute
     return permuted, permuted_probs, sorted_indices
 
