@@ -2,7 +2,8 @@
 """Time the fused sparse MLA kernel alone (released widths: 64 heads, latent 512, top-k 2048 + 3 tail slots) on
 KPool-like selections, for a few tilings; and its parts (forward, backward dq only, backward dkv only).
 
-    python scripts/bench_sparse_mla.py [--seqs 4096,16384] [--heads 64] [--latent 512] [--sweep | --bwd-sweep 0,4]
+    python scripts/bench_sparse_mla.py [--seqs 4096,16384] [--heads 64] [--latent 512]
+                                       [--sweep | --fwd-sweep 0,3 --bwd-sweep 0,4]
 
 Selections: per query, min(index_topk / kpool, visible pools) random complete pools of its (single) document plus
 the always-selected tail (tail slots first, as the DSA layer passes them). Prints ms and the useful TFLOP/s
@@ -17,7 +18,11 @@ import sys
 
 FWD_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
              dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2),
-             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2)]
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
+             # not timed yet: 64 gathered rows a step, a third stage, 4 warps
+             dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2)]
 BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0: the default before the transposed-form dkv kernel, fp32's)
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=0),
@@ -36,7 +41,14 @@ BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0: the default before the
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
                   dkv=dict(form="dkv_t", BLOCK_N=32, programs_per_sm=8)),
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
-                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=4))]
+                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=4)),
+             # 13-15 (not timed yet): the default with its dq kernel at 64 rows a step, at 2 stages, at 4 warps
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dq=dict(BLOCK_N=64),
+                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8)),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dq=dict(num_stages=2),
+                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8)),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dq=dict(num_warps=4),
+                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8))]
 
 
 def _rel(a, b) -> float:
@@ -81,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--kpool", type=int, default=4)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--bwd-sweep", default=None, help="comma list of BWD_SWEEP entries to time (default: all)")
+    p.add_argument("--fwd-sweep", default=None, help="comma list of FWD_SWEEP entries to time")
     a = p.parse_args(argv)
 
     import torch
@@ -93,8 +106,9 @@ def main(argv=None) -> int:
     default_fwd, default_bwd = dict(sm.FWD_CONFIG), dict(sm.BWD_CONFIG)
     fwd_list = FWD_SWEEP if a.sweep else [default_fwd]
     bwd_list = BWD_SWEEP if a.sweep else [default_bwd]
-    if a.bwd_sweep:
-        fwd_list, bwd_list = [default_fwd], [BWD_SWEEP[int(i)] for i in a.bwd_sweep.split(",")]
+    if a.bwd_sweep or a.fwd_sweep:  # the listed entries after the default, which they are compared with
+        fwd_list = [default_fwd] + ([FWD_SWEEP[int(i)] for i in a.fwd_sweep.split(",")] if a.fwd_sweep else [])
+        bwd_list = [default_bwd] + ([BWD_SWEEP[int(i)] for i in a.bwd_sweep.split(",")] if a.bwd_sweep else [])
     for s in [int(x) for x in a.seqs.split(",")]:
         idx = kpool_like_indices(s, a.topk, a.kpool, dev)
         f_fwd, f_bwd = sm.sparse_mla_flops(idx, H, R)
