@@ -377,8 +377,8 @@ def main(argv=None) -> int:
                    "--profile-seq (torch.cuda.set_sync_debug_mode)")
     p.add_argument("--trace", action="store_true", help="also trace our step at --profile-seq with Python stacks: "
                    "the chrome trace (gzip) next to --out and a report of where the GPU waits for the host")
-    p.add_argument("--trace-without-stacks", action="store_true", help="--trace without Python stacks: the host "
-                   "runs at nearly its untraced speed, the report names operators and kernels only")
+    p.add_argument("--trace-without-stacks", action="store_true", help="--trace (implied) without Python stacks: "
+                   "the host runs at nearly its untraced speed, the report names operators and kernels only")
     p.add_argument("--ours-backends", default="", help="e.g. kda_backend=fla,dsa_backend=torch (default: "
                                                          "default_backends('cuda'))")
     p.add_argument("--out", default="", help="write the results as JSON here (profile table next to it)")
@@ -439,7 +439,7 @@ def main(argv=None) -> int:
                 if kind == "ours" and s == a.profile_seq:
                     path = (os.path.splitext(a.out)[0] + f"_profile_{s}.txt") if a.out else None
                     profile_table = profile_step(step, dev, a.profile_top, path)
-                    if a.trace and dev == "cuda":
+                    if (a.trace or a.trace_without_stacks) and dev == "cuda":
                         tpath = (os.path.splitext(a.out)[0] if a.out else "bench_train_step") + f"_trace_{s}.json.gz"
                         print(f"[ours] s={s:6d}: {trace_step(step, tpath, not a.trace_without_stacks)}", flush=True)
                     if a.sync_sites and dev == "cuda":

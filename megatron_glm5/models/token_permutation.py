@@ -22,9 +22,9 @@ The way back, ``moe_utils.unpermute``, is the same scatter-add in the other dire
 of ``[T * k, h]`` rows into ``[T, h]``). :func:`permute` attaches each token's rows to the ``sorted_indices`` it
 returns, as the attribute ``sorted_indices.copy_positions`` (``[T, k]`` int64; the dispatchers hand that very tensor
 back to ``unpermute``), and :func:`unpermute` then computes ``out[t] = sum_j permuted[positions[t, j]]`` with the
-same ``gather_sum`` (backward: ``grad[sorted_indices]``, :func:`~megatron_glm5.kernels.gather_sum.gather_rows`, as is the
-permute's own gather). Calls with ``probs``, ``drop_and_pad``,
-``fused`` or ``sorted_indices`` from elsewhere (no attribute) run upstream's function.
+same ``gather_sum`` (backward: ``grad[sorted_indices]`` with its ``k = 1`` case,
+:func:`~megatron_glm5.kernels.gather_sum.gather_rows`, which is also the permute's own gather). Calls with ``probs``,
+``drop_and_pad``, ``fused`` or ``sorted_indices`` from elsewhere (no attribute) run upstream's function.
 
 On one expert-and-tensor-parallel rank (``ep * tp == 1``, dropless) the all-to-all dispatcher has two more costs
 that buy nothing there: it copies the per-expert token counts to the host and waits for them (a sync per MoE layer,
