@@ -22,7 +22,12 @@ FWD_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
              # not timed yet: 64 gathered rows a step, a third stage, 4 warps
              dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3),
-             dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2)]
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2),
+             # 6-9 (not timed yet): 64 rows at 2 stages, 128 rows, 16 warps
+             dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
+             dict(BLOCK_H=64, BLOCK_N=128, num_warps=8, num_stages=1),
+             dict(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=1),
+             dict(BLOCK_H=64, BLOCK_N=128, num_warps=16, num_stages=1)]
 BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0: the default before the transposed-form dkv kernel, fp32's)
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=0),
@@ -48,7 +53,14 @@ BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0: the default before the
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dq=dict(num_stages=2),
                   dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8)),
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dq=dict(num_warps=4),
-                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8))]
+                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8)),
+             # 16-18 (not timed yet): dq at 64 rows with 16 warps; dkv at 16 warps; dq at 64 rows and 2 stages
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
+                  dq=dict(BLOCK_N=64, num_warps=16), dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8)),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dq=dict(BLOCK_N=64),
+                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8, num_warps=16)),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
+                  dq=dict(BLOCK_N=64, num_stages=2), dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8))]
 
 
 def _rel(a, b) -> float:
@@ -118,13 +130,17 @@ def main(argv=None) -> int:
         prep = sm.prepare_indices(idx, s)
         print(f"s={s}: {float((idx >= 0).sum()) / s:.0f} selected per query; fwd {f_fwd / 1e12:.2f} TFLOP, "
               f"bwd {f_bwd / 1e12:.2f} TFLOP", flush=True)
+        with torch.no_grad():
+            ref_o = sm.sparse_mla(q, kv, idx, 0.06, prepared=prep)            # the default tiling, for agreement
         for cfg in fwd_list:
             sm.FWD_CONFIG.clear()
             sm.FWD_CONFIG.update(cfg)
             try:
                 with torch.no_grad():
+                    err = _rel(sm.sparse_mla(q, kv, idx, 0.06, prepared=prep), ref_o)
                     t = cuda_time(lambda: sm.sparse_mla(q, kv, idx, 0.06, prepared=prep))
-                print(f"  fwd {cfg}: {t:7.2f} ms  {f_fwd / t / 1e9:6.0f} TFLOP/s", flush=True)
+                print(f"  fwd {cfg}: {t:7.2f} ms  {f_fwd / t / 1e9:6.0f} TFLOP/s  (rel. diff to default: {err:.1e})",
+                      flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  fwd {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         sm.FWD_CONFIG.clear()
@@ -161,7 +177,7 @@ def main(argv=None) -> int:
             print(f"  default bwd, {name}: {t:7.2f} ms", flush=True)
         t = cuda_time(lambda: sm.sparse_mla(q, kv, idx, 0.06, prepared=prep).backward(go))
         print(f"  default fwd+bwd (autograd): {t:7.2f} ms", flush=True)
-        del q, kv, go, idx, prep, o, lse
+        del q, kv, go, idx, prep, o, lse, ref_o
         torch.cuda.empty_cache()
     return 0
 

@@ -38,13 +38,17 @@ import torch
 
 from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG", "BWD_CONFIG", "BWD_CONFIG_FP32",
-           "HAVE_TRITON"]
+__all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG", "FWD_CONFIG_FP32", "BWD_CONFIG",
+           "BWD_CONFIG_FP32", "HAVE_TRITON"]
 
-FWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
-"""Forward tiling: heads per program (capped at the padded head count), selected rows per step, warps, stages."""
+FWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)
+"""Forward tiling: heads per program (capped at the padded head count), selected rows per step, warps, stages
+(16-bit inputs: cut by :func:`_fit_fwd_shared_memory` until q and the staged rows fit :data:`_SMEM_BUDGET`)."""
+FWD_CONFIG_FP32 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
+"""Forward tiling for fp32 inputs (tests, parity checks): 64 rows at two stages need 279,040 bytes of shared memory
+at latent 512, over the H200's 232,448."""
 BWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
-                  dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8))
+                  dq=dict(BLOCK_N=64), dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8))
 """Backward tiling for 16-bit inputs; ``split=True`` runs dq and dkv as two kernels (recomputes P twice; optional
 ``dq`` / ``dkv`` sub-dicts give each its own tiling); ``form="dkv_t"`` in the dkv pass selects the transposed-form
 kernel (:func:`_sparse_mla_bwd_dkv_t_kernel`, a persistent grid of ``programs_per_sm`` programs per multiprocessor,
@@ -266,7 +270,7 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
     """``q [T, H, R]``, ``kv [T, R]``, ``idx [T, W]`` int32 (flat rows, ``-1`` unused), ``n_end [T]`` int32
     -> ``(o [T, H, R], lse [T, H] fp32, log2 units)``."""
     T, H, R = q.shape
-    cfg = FWD_CONFIG
+    cfg = _fit_fwd_shared_memory(FWD_CONFIG, R) if q.element_size() == 2 else FWD_CONFIG_FP32
     bh = _block_h(H, cfg["BLOCK_H"])
     o = torch.empty_like(q)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
@@ -277,6 +281,26 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
         R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
+
+
+def _fit_fwd_shared_memory(cfg: dict, R: int) -> dict:
+    """Forward tiling cut until q ``[BLOCK_H, R]`` and ``num_stages`` buffers of gathered rows ``[BLOCK_N, R]``
+    (16-bit) fit :data:`_SMEM_BUDGET`: ``BLOCK_N`` halved down to 32, then fewer stages, then ``BLOCK_N`` down to 16,
+    then ``BLOCK_H`` halved."""
+    t = dict(cfg)
+
+    def need():
+        return (t["BLOCK_H"] + t["num_stages"] * t["BLOCK_N"]) * R * 2
+
+    while need() > _SMEM_BUDGET and t["BLOCK_N"] > 32:
+        t["BLOCK_N"] //= 2
+    while need() > _SMEM_BUDGET and t["num_stages"] > 1:
+        t["num_stages"] -= 1
+    while need() > _SMEM_BUDGET and t["BLOCK_N"] > 16:
+        t["BLOCK_N"] //= 2
+    while need() > _SMEM_BUDGET and t["BLOCK_H"] > 16:
+        t["BLOCK_H"] //= 2
+    return t
 
 
 def _bwd_passes(cfg: dict, passes=None, R: int = 0):
