@@ -153,6 +153,11 @@ class Glm5Config(MLATransformerConfig):
     'fla_fused' (FLA conv, in-kernel gates and fused gated norm around chunk_kda: the GPU fast path, for bf16; in
     fp32 its TF32 inside FLA's gate and norm kernels puts it ~10x further from the fp32 reference than 'fla', so fp32
     checks on a GPU should pick 'fla')."""
+    kda_save_intermediates: bool = False
+    """'fla_fused': keep ``chunk_kda``'s forward intermediates (gate cumsum, w, u, gated q / k, v_new and the chunk
+    states h) for its backward instead of recomputing them there (FLA's ``disable_recompute``). Same arithmetic; at
+    the released widths it holds ~0.5 GB more per KDA layer per 4K tokens until the backward. Off until measured on
+    a GPU (the recomputation is ~1.2 ms of the 4K proxy step's backward in its profile)."""
 
     # ---- KPool DSA ----
     index_n_heads: int = 32

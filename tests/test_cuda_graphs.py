@@ -128,27 +128,27 @@ def test_replay_check_notices_replaced_and_moved_tensors():
         m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
         m.register_buffer("counts", torch.zeros(3))
         g = object.__new__(_CapturedGraphs)  # only the bookkeeping of the parameters (the capture needs CUDA)
-        g._record_tensors(m)
+        g._record_tensors((m,))
         return m, g
 
     m, g = fresh()
-    assert g.valid_for(m)
+    assert g.valid_for((m,))
     torch.nn.Linear(2, 2)  # registrations elsewhere: the tree is walked again, nothing changed here
-    assert g.valid_for(m) and g.valid_for(m)
+    assert g.valid_for((m,)) and g.valid_for((m,))
     m[0].weight.data = m[0].weight.data.clone()
-    assert not g.valid_for(m)
+    assert not g.valid_for((m,))
     m, g = fresh()
     m[1]._parameters["bias"] = torch.nn.Parameter(m[1].bias.detach().clone())
-    assert not g.valid_for(m)
+    assert not g.valid_for((m,))
     m, g = fresh()
     m[0].weight = torch.nn.Parameter(m[0].weight.detach().clone())
-    assert not g.valid_for(m)
+    assert not g.valid_for((m,))
     m, g = fresh()
     m[1].register_buffer("extra", torch.ones(1))
-    assert not g.valid_for(m)
+    assert not g.valid_for((m,))
     m, g = fresh()
     m[0] = torch.nn.Linear(4, 4)
-    assert not g.valid_for(m)
+    assert not g.valid_for((m,))
 
 
 def test_aliased_parameters_give_the_leaf_gradients(mcore):

@@ -452,6 +452,35 @@ def test_fla_fused_backend_matches_torch(mcore, dtype, lower_bound):
         assert _rel_l2(res[1][2][n], res[0][2][n]) < tol_grad, n
 
 
+@pytest.mark.gpu
+def test_fla_fused_saved_intermediates_match_recompute(mcore):
+    """``kda_save_intermediates`` (FLA's ``disable_recompute``: the backward reads the forward's w, u, gated q / k,
+    v_new and chunk states instead of recomputing them) gives the same output and gradients as recomputing them,
+    bf16 at the released KDA widths on a packed row."""
+    pytest.importorskip("triton")
+    text = _hf_text_dict(hidden_size=256, linear_num_heads=64, linear_head_dim=128, linear_lower_bound=-5.0)
+    cfg = Glm5Config.from_hf({"text_config": text}, kda_backend="fla_fused")
+    layer = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).cuda().to(torch.bfloat16)
+    cu = torch.tensor([0, 100, 101, 300, 512], dtype=torch.int32, device="cuda")
+    x = torch.randn(512, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn_like(x, dtype=torch.float32)
+    res = {}
+    for save in (False, True):
+        layer.save_intermediates = save
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi, packed_seq_params=make_packed_seq_params(cu))[0]
+        (out.float() * w).sum().backward()
+        res[save] = (out.float(), xi.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()})
+    print(f"saved vs recomputed: out {_rel_max(res[True][0], res[False][0]):.2e} "
+          f"dx {_rel_l2(res[True][1], res[False][1]):.2e}")
+    assert torch.equal(res[True][0], res[False][0])  # the forward is the same computation
+    assert _rel_l2(res[True][1], res[False][1]) < 2e-3
+    for n, g in res[False][2].items():
+        assert torch.isfinite(res[True][2][n]).all(), n
+        assert _rel_l2(res[True][2][n], g) < 2e-3, n
+
+
 def test_fla_tune_configs_env(monkeypatch):
     """GLM5_FLA_TUNE_CONFIGS: unset or 0 leaves FLA's autotuners alone (nothing imported); junk is a named error."""
     from megatron_glm5.kernels import fla_tuning

@@ -4,11 +4,13 @@ Why: a GLM MoE layer (megatron-core's ``MoELayer``: router, top-k, token permuta
 unpermutation, shared expert) launches about a hundred small kernels forward, and the Python that launches them
 costs more host time than the GPU needs for them at a few thousand tokens per step, so the forward waits for the
 host (H200, 2026-12-04: at 4K tokens the step's forward took 55 ms of host time for ~45 ms of kernels, the MoE
-layers about a third of that host time). A replayed graph launches the whole layer at once.
+layers about a third of that host time). A replayed graph launches the whole layer at once. The transformer layer
+graphs its whole MLP half (``Glm5TransformerLayer._mlp_half``: the mHC input side, norm, MoE layer and mHC output
+side, residual streams in and out): the mHC's Python costs about as much host time as the MoE layer's did.
 
 What is captured, per input signature (shape, dtype and device of ``x`` and of the extra tensors):
 
-    forward   out = fn(x', *extras)                                   x [s, b, h] requires grad, out [s, b, h]
+    forward   out = fn(x', *extras)                          x requires grad (the layer: streams [s, b, n, h]), out
     backward  (d_x, d_params) = autograd.grad(out, (x', *params'), d_out)
 
 on static buffers in one private memory pool, where ``x'`` and ``params'`` are views of the static input and of
@@ -42,7 +44,10 @@ stretch [1392, 1424) MiB of its fc2 gradients, cuBLAS's Hopper workspace size; w
 finite (docs/performance.md, "The 2K NaN of the CUDA-graphed MoE layers"). On the H200 the GPU tests of
 ``tests/test_cuda_graphs.py`` pass; the training-loop test failed only its loss tolerance at the harness's lr 1e-2
 (run-to-run noise of the GPU run itself is as large) and now runs at lr 1e-3, whose runs were checked outside
-pytest (same commands; losses within 4.1e-4 over four steps).
+pytest (same commands; losses within 4.1e-4 over four steps). With the whole MLP half graphed (2026-12-04,
+seventh session) the 4K step's forward took 20.9 ms of host time instead of 25.8 and the GPU idled 6.2 ms in it
+instead of 13.7 (separate machines; every loss finite, the same losses as the MoE-only graphs to the third
+decimal); ``tests/test_cuda_graphs.py`` has not run on a GPU with that scope yet.
 
 Calls outside training (``module.training`` off, autograd off, autocast on, an input without gradient, a CPU
 tensor, or while another graph is being captured) run eagerly. Callers decide eligibility that depends on the model
@@ -179,10 +184,11 @@ class _CapturedGraphs:
     """The forward and backward graphs of one input signature, with their static buffers."""
 
     def __init__(self, module: torch.nn.Module, fn: Callable, x: torch.Tensor, extras: Sequence[torch.Tensor],
-                 warmup: int):
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self._record_tensors(module)
-        buffers = [b for b in module.buffers()]
+                 warmup: int, parts: Sequence[torch.nn.Module] = ()):
+        parts = tuple(parts) or (module,)
+        self.params = list({id(p): p for part in parts for p in part.parameters() if p.requires_grad}.values())
+        self._record_tensors(parts)
+        buffers = list({id(b): b for part in parts for b in part.buffers()}.values())
         saved = [b.clone() for b in buffers]
         self.static_x = x.detach().clone().requires_grad_(True)
         self.static_extras = [e.detach().clone() for e in extras]
@@ -226,25 +232,26 @@ class _CapturedGraphs:
             return fn(x_alias, *self.static_extras), x_alias, aliases
 
     @staticmethod
-    def _slots(module: torch.nn.Module) -> list:
-        """``(owning dict, name, tensor)`` of every parameter and buffer of ``module`` and its submodules."""
-        return [(d, name, t) for m in module.modules() for d in (m._parameters, m._buffers)
+    def _slots(parts: Sequence[torch.nn.Module]) -> list:
+        """``(owning dict, name, tensor)`` of every parameter and buffer of the modules ``parts`` and their
+        submodules."""
+        return [(d, name, t) for part in parts for m in part.modules() for d in (m._parameters, m._buffers)
                 for name, t in d.items() if t is not None]
 
-    def _record_tensors(self, module: torch.nn.Module):
-        """The module's parameters and buffers, their addresses and the registration count they were read at."""
-        self.slots = self._slots(module)
+    def _record_tensors(self, parts: Sequence[torch.nn.Module]):
+        """The parts' parameters and buffers, their addresses and the registration count they were read at."""
+        self.slots = self._slots(parts)
         self.addresses = tuple(t.data_ptr() for _, _, t in self.slots)
         self.registrations = _REGISTRATIONS[0]
 
-    def valid_for(self, module: torch.nn.Module) -> bool:
-        """Whether the graphs still read the module's parameters and buffers: the same tensors in the same slots
+    def valid_for(self, parts: Sequence[torch.nn.Module]) -> bool:
+        """Whether the graphs still read the parts' parameters and buffers: the same tensors in the same slots
         (``Module._apply`` may put new ones straight into ``_parameters``; after a registration anywhere -- a new
         parameter, buffer or submodule -- the module tree is walked again) at the same addresses (``param.data =
         ...``, as megatron's DDP and ``Module.to`` do, moves them). Cheap enough for every replay: no walk of the
         module tree unless something was registered."""
         if self.registrations != _REGISTRATIONS[0]:
-            slots = self._slots(module)
+            slots = self._slots(parts)
             if len(slots) != len(self.slots) or any(a[2] is not b[2] for a, b in zip(slots, self.slots)):
                 return False
             self.slots, self.registrations = slots, _REGISTRATIONS[0]
@@ -295,16 +302,27 @@ class GraphedModule:
     docstring), eagerly otherwise. At most ``max_graphs`` input signatures are kept (least recently used dropped:
     each holds its activations' memory).
 
+    ``parts``: the names of the submodules of ``module`` that ``fn`` uses, when that is not all of it (a transformer
+    layer whose MLP half is graphed: its mHC, norm and MoE layer); only their parameters become inputs of the replay
+    and only their tensors are checked before one (looked up by name each time, so a submodule assigned in place of
+    one is noticed). ``module`` itself gives the training flag.
+
     Not a ``nn.Module`` on purpose: it owns no parameters (``module``'s stay where they are, in its state dict).
     """
 
-    def __init__(self, module: torch.nn.Module, fn: Callable, max_graphs: int = 2, warmup: int = 2):
+    def __init__(self, module: torch.nn.Module, fn: Callable, max_graphs: int = 2, warmup: int = 2,
+                 parts: Sequence[str] = ()):
         self.module, self.fn = module, fn
+        self.part_names = tuple(parts)
         self.max_graphs, self.warmup = max_graphs, warmup
         self.graphs: Dict[tuple, _CapturedGraphs] = {}
         self.eager_calls = 0
         self.replays = 0
         self.disabled: Optional[str] = None  # why capturing failed, once it has
+
+    def parts(self) -> tuple:
+        """The modules whose tensors the graphs read: ``module``'s submodules named by ``parts``, else ``module``."""
+        return tuple(self.module.get_submodule(n) for n in self.part_names) or (self.module,)
 
     def reset(self):
         """Drop every captured graph (their memory returns to the caching allocator once nothing else holds it)."""
@@ -325,7 +343,7 @@ class GraphedModule:
             return self.fn(x, *extras)
         key = self._signature(x, extras)
         graphs = self.graphs.pop(key, None)
-        if graphs is not None and not graphs.valid_for(self.module):
+        if graphs is not None and not graphs.valid_for(self.parts()):
             graphs = None  # parameters or buffers moved: capture again
         if graphs is not None and graphs.busy():
             self.graphs[key] = graphs
@@ -335,7 +353,7 @@ class GraphedModule:
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.pop(next(iter(self.graphs)))
             try:
-                graphs = _CapturedGraphs(self.module, self.fn, x, extras, self.warmup)
+                graphs = _CapturedGraphs(self.module, self.fn, x, extras, self.warmup, self.parts())
             except RuntimeError as e:  # torch.AcceleratorError too: something in fn cannot be captured
                 self.disabled = f"{type(e).__name__}: {str(e).splitlines()[0]}"
                 log.warning("CUDA graph capture of %s failed, it runs eagerly from now on: %s",

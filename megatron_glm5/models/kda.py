@@ -409,6 +409,7 @@ class KimiDeltaAttention(MegatronModule):
         self.conv_kernel = config.linear_conv_kernel_dim
         self.lower_bound = config.linear_lower_bound
         self.chunk_size = config.kda_chunk_size
+        self.save_intermediates = config.kda_save_intermediates
         self.backend = config.kda_backend
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
         device = param_device(config)
@@ -592,7 +593,7 @@ class KimiDeltaAttention(MegatronModule):
         o, _ = chunk_kda(q=q, k=k, v=v, g=f, beta=beta, scale=D ** -0.5, use_qk_l2norm_in_kernel=True,
                          use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=lb,
                          safe_gate=lb is not None and -5.0 <= lb < 0.0, use_beta_sigmoid_in_kernel=True,
-                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, disable_recompute=self.save_intermediates,
                          chunk_size=self.chunk_size if self.chunk_size in (32, 64) else 64)
         gate = batch_first(linear_output(self.g_b_proj(self._replicated_linear(self.g_a_proj, x))))
         w = self.o_norm.weight

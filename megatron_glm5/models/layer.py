@@ -78,10 +78,11 @@ class Glm5TransformerLayer(MegatronModule):
             self.mlp = build_module(mlp_spec, config=config)
         if hasattr(self.mlp, "set_layer_number"):  # the MoE router logs its aux loss per layer (megatron contract)
             self.mlp.set_layer_number(layer_number)
-        # config.moe_cuda_graph: the MoE layer as replayed CUDA graphs where eligible (models/cuda_graphs.py)
+        # config.moe_cuda_graph: the MLP half of an MoE layer (its mHC input side, norm, MoE layer and mHC output
+        # side, streams in and out) as replayed CUDA graphs where eligible (models/cuda_graphs.py)
         self.mlp_graphs = None
         if getattr(config, "moe_cuda_graph", False) and hasattr(self.mlp, "router"):
-            self.mlp_graphs = GraphedModule(self.mlp, self._moe)
+            self.mlp_graphs = GraphedModule(self, self._mlp_half, parts=("ffn_hc", "pre_mlp_layernorm", "mlp"))
         modules = (config.recompute_modules or []) if config.recompute_granularity == "selective" else []
         self.recompute_layernorm = "layernorm" in modules
         self.recompute_attention = "core_attn" in modules
@@ -114,12 +115,18 @@ class Glm5TransformerLayer(MegatronModule):
 
     def _mlp(self, x, padding_mask=None):
         if hasattr(self.mlp, "router"):
-            if self.mlp_graphs is not None and not moe_graph_blockers(self.config):
-                return self.mlp_graphs(x, *(() if padding_mask is None else (padding_mask,)))
             return self._moe(x, padding_mask)
         if self._recompute(self.recompute_mlp):
             return tensor_parallel.checkpoint(lambda x_: self.mlp(x_)[0], False, x)
         return self.mlp(x)[0]
+
+    def _mlp_half(self, streams, padding_mask=None):
+        """The layer's second half on ``streams [s, b, n, h]`` -> new streams: mHC input side, norm, MLP, mHC output
+        side (what :attr:`mlp_graphs` captures for MoE layers)."""
+        post, comb, x = self.ffn_hc(streams)
+        x = self._norm(self.pre_mlp_layernorm, x)
+        y = self._mlp(x, padding_mask)
+        return apply_hyper_connection_output(y, streams, post, comb)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
                 shared_topk_indices: Optional[torch.Tensor] = None, padding_mask: Optional[torch.Tensor] = None,
@@ -141,10 +148,10 @@ class Glm5TransformerLayer(MegatronModule):
         y, topk = self._attention(x, attention_mask, packed_seq_params, shared_topk_indices)
         streams = apply_hyper_connection_output(y, streams, post, comb)
 
-        post, comb, x = self.ffn_hc(streams)
-        x = self._norm(self.pre_mlp_layernorm, x)
-        y = self._mlp(x, padding_mask)
-        streams = apply_hyper_connection_output(y, streams, post, comb)
+        if self.mlp_graphs is not None and not moe_graph_blockers(self.config):
+            streams = self.mlp_graphs(streams, *(() if padding_mask is None else (padding_mask,)))
+        else:
+            streams = self._mlp_half(streams, padding_mask)
         return streams.reshape(s, b, nh), topk
 
 
