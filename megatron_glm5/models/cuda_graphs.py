@@ -181,11 +181,11 @@ class _Token:
 
 
 class _CapturedGraphs:
-    """The forward and backward graphs of one input signature, with their static buffers."""
+    """The forward and backward graphs of one input signature, with their static buffers; ``parts``
+    (:meth:`GraphedModule.parts`) are the modules whose parameters and buffers ``fn`` reads."""
 
     def __init__(self, module: torch.nn.Module, fn: Callable, x: torch.Tensor, extras: Sequence[torch.Tensor],
-                 warmup: int, parts: Sequence[torch.nn.Module] = ()):
-        parts = tuple(parts) or (module,)
+                 warmup: int, parts: Sequence[torch.nn.Module]):
         self.params = list({id(p): p for part in parts for p in part.parameters() if p.requires_grad}.values())
         self._record_tensors(parts)
         buffers = list({id(b): b for part in parts for b in part.buffers()}.values())
