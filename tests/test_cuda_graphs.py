@@ -151,6 +151,29 @@ def test_replay_check_notices_replaced_and_moved_tensors():
     assert not g.valid_for((m,))
 
 
+def test_graphed_parts_are_looked_up_by_name():
+    """A ``GraphedModule`` over some submodules (a layer's MLP half) reads exactly their tensors, found by name on
+    every check: a submodule assigned in place of one of them makes the recorded graphs invalid, while a change to
+    a submodule outside the parts does not."""
+    from megatron_glm5.models.cuda_graphs import _CapturedGraphs
+
+    layer = torch.nn.Module()
+    layer.attn = torch.nn.Linear(4, 4)
+    layer.norm = torch.nn.LayerNorm(4)
+    layer.mlp = torch.nn.Linear(4, 4)
+    g = GraphedModule(layer, lambda x: layer.mlp(layer.norm(x)), parts=("norm", "mlp"))
+    assert g.parts() == (layer.norm, layer.mlp)
+    assert GraphedModule(layer, layer.mlp).parts() == (layer,)
+    captured = object.__new__(_CapturedGraphs)  # only the bookkeeping (the capture needs CUDA)
+    captured._record_tensors(g.parts())
+    assert {id(t) for _, _, t in captured.slots} == {id(p) for p in (*layer.norm.parameters(), *layer.mlp.parameters())}
+    assert captured.valid_for(g.parts())
+    layer.attn = torch.nn.Linear(4, 4)          # outside the parts
+    assert captured.valid_for(g.parts())
+    layer.mlp = torch.nn.Linear(4, 4)           # a new module under a graphed name
+    assert g.parts()[1] is layer.mlp and not captured.valid_for(g.parts())
+
+
 def test_aliased_parameters_give_the_leaf_gradients(mcore):
     """Gradients taken with respect to the parameter views of ``aliased_parameters`` (what the captured backward
     computes) equal the eager ones; the parameters are back in place afterwards; a parameter reached outside its
