@@ -181,6 +181,10 @@ class Glm5Config(MLATransformerConfig):
     """Epsilon added to pre weights and inside each Sinkhorn normalisation."""
     hc_sinkhorn_iters: int = 20
     """Sinkhorn iterations for the comb (stream mixing) matrix."""
+    mhc_stream_grad_fusion: bool = False
+    """Fused mHC path (CUDA): the output side's gradient of the residual streams is added inside the input side's
+    projection backward kernel instead of by autograd (one read of the streams gradient instead of a separate add
+    of two; ~8 x 90 us at 4K tokens in the H200 proxy step). Off until measured on a GPU."""
 
     # ---- MoE extras ----
     swiglu_limit: float = 10.0

@@ -79,6 +79,18 @@ def test_hyper_connection_matches_hf(n, iters):
           + " ".join(f"{k}={_rel(*v):.2e}" for k, v in grads.items()))
 
 
+def test_pass_streams_returns_the_input_on_the_torch_path():
+    """``forward(streams, pass_streams=True)`` adds the streams for the output side; off the fused CUDA path (and
+    with ``mhc_stream_grad_fusion`` off) that is the input tensor itself, so autograd adds the two gradients."""
+    ours, _, cfg = _pair(3, 2)
+    ours.stream_grad_fusion = True                       # only the fused CUDA path routes the gradient
+    x = torch.randn(5, 2, 3, cfg.hidden_size, requires_grad=True)
+    post, comb, col, passed = ours(x, pass_streams=True)
+    assert passed is x
+    for a, b in zip((post, comb, col), ours(x)):
+        assert torch.equal(a, b)
+
+
 def test_parameters_and_attributes():
     ours, _, cfg = _pair(3, 5)
     n, h = cfg.hc_mult, cfg.hidden_size
@@ -230,13 +242,16 @@ def test_fused_sinkhorn_matches_reference_gpu(n, iters, programs_per_sm, monkeyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stream_grad_fusion", [False, True], ids=["autograd-add", "fused-add"])
 @pytest.mark.parametrize("n,h,tokens,dtype", [(4, 256, 389, torch.float32), (3, 1100, 130, torch.float32),
                                               (4, 512, 1000, torch.bfloat16), (2, 96, 77, torch.bfloat16)])
-def test_fused_mhc_matches_reference_gpu(n, h, tokens, dtype):
+def test_fused_mhc_matches_reference_gpu(n, h, tokens, dtype, stream_grad_fusion):
     """The fused mHC kernels (input side: norm + projection + collapse; output side: post * y + comb^T @ streams)
     against the PyTorch module path, forward and every gradient (streams, block output, fn, base, scale), on fresh
     random inputs with ragged sizes (h and the token count not multiples of the block sizes). fp32: to rounding;
-    bf16: both against an fp32 run of the PyTorch path on the same (bf16-representable) values."""
+    bf16: both against an fp32 run of the PyTorch path on the same (bf16-representable) values. With
+    ``mhc_stream_grad_fusion`` the output side's streams gradient reaches the input side's projection kernel
+    instead of an autograd add (checked on the Triton interpreter in fp32 when written)."""
     pytest.importorskip("triton")
     from megatron_glm5.kernels import mhc as fused_mhc
 
@@ -258,11 +273,13 @@ def test_fused_mhc_matches_reference_gpu(n, h, tokens, dtype):
     def run(fused, run_dtype):
         mod = copy.deepcopy(hc)
         mod.use_fused_kernels = fused
+        mod.stream_grad_fusion = stream_grad_fusion and fused
         mod.fn = torch.nn.Parameter(fn_bits.to(run_dtype))
         s = streams.to(run_dtype).clone().requires_grad_(True)
         y = block_out.to(run_dtype).clone().requires_grad_(True)
-        post, comb, col = mod(s)
-        new = apply_hyper_connection_output(y, s, post, comb, fused=fused)
+        post, comb, col, s_out = mod(s, pass_streams=True)
+        assert (s_out is s) != mod.stream_grad_fusion
+        new = apply_hyper_connection_output(y, s_out, post, comb, fused=fused)
         assert post.dtype == comb.dtype == torch.float32 and col.dtype == new.dtype == run_dtype
         loss = sum((o.float() * g).sum() for o, g in zip((post, comb, col, new), grads))
         loss.backward()

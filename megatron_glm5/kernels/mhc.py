@@ -111,10 +111,11 @@ if HAVE_TRITON:
         tl.store(SS + base + t, ss, mask=tmask)
 
     @triton.jit
-    def _proj_bwd_kernel(X, W, DZ, C, PRE, DC, DX, DW, T, D, H, N, M, T_PER_SPLIT, BT: tl.constexpr,
-                         BD: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
-        """``DX = PRE[t, d // H] * DC[t, d % H] + DZ @ W + C * X`` for one D block over one split of the tokens,
-        and the partial ``DW = DZ^T @ X`` of that split."""
+    def _proj_bwd_kernel(X, W, DZ, C, PRE, DC, DS_IN, DX, DW, T, D, H, N, M, T_PER_SPLIT, BT: tl.constexpr,
+                         BD: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr, HAS_DS_IN: tl.constexpr):
+        """``DX = PRE[t, d // H] * DC[t, d % H] + DZ @ W + C * X (+ DS_IN)`` for one D block over one split of the
+        tokens, and the partial ``DW = DZ^T @ X`` of that split. ``DS_IN`` (laid out like ``X``): a gradient of the
+        same streams from elsewhere (the output side), added before the one rounding to ``DX``'s dtype."""
         pid_d = tl.program_id(0)
         pid_s = tl.program_id(1)
         d = pid_d * BD + tl.arange(0, BD)
@@ -137,6 +138,8 @@ if HAVE_TRITON:
             pre = tl.load(PRE + t[:, None] * N + i[None, :], mask=mask2, other=0.0)
             dc = tl.load(DC + t[:, None] * H + k[None, :], mask=mask2, other=0.0).to(tl.float32)
             dx = _dot(dz, w, BF16) + c[:, None] * x + pre * dc
+            if HAS_DS_IN:
+                dx += tl.load(DS_IN + t[:, None] * D + d[None, :], mask=mask2, other=0.0).to(tl.float32)
             tl.store(DX + t[:, None] * D + d[None, :], dx.to(DX.dtype.element_ty), mask=mask2)
             accw += _dot(tl.trans(dz), x, BF16)
         tl.store(DW + (pid_s.to(tl.int64) * MP + m[:, None]) * D + d[None, :], accw, mask=dmask[None, :])
@@ -300,8 +303,9 @@ def _proj_fwd(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch
     return mixes, rstd
 
 
-def _proj_bwd(x, fn, dz, c, pre, dc, n, h):
-    """See ``_proj_bwd_kernel``; returns ``(d_x [T, D] in x's dtype, d_fn [M, D] fp32)``."""
+def _proj_bwd(x, fn, dz, c, pre, dc, n, h, ds_in=None):
+    """See ``_proj_bwd_kernel``; returns ``(d_x [T, D] in x's dtype, d_fn [M, D] fp32)``; ``ds_in [T, D]`` (or
+    None) is added to ``d_x``."""
     T, D = x.shape
     M = fn.shape[0]
     MP = dz.shape[1]
@@ -313,16 +317,20 @@ def _proj_bwd(x, fn, dz, c, pre, dc, n, h):
     dx = torch.empty_like(x)
     dw = torch.empty(splits, MP, D, device=x.device, dtype=torch.float32)
     bf16 = x.dtype == fn.dtype == torch.bfloat16
-    _proj_bwd_kernel[(n_d, splits)](x, fn, dz, c, pre, dc, dx, dw, T, D, h, n, M, per, BT=bt, BD=_PROJ_BD,
-                                    MP=MP, BF16=bf16, num_warps=PROJ_BWD_WARPS)
+    has_ds_in = ds_in is not None
+    _proj_bwd_kernel[(n_d, splits)](x, fn, dz, c, pre, dc, ds_in.contiguous() if has_ds_in else dx, dx, dw, T, D, h,
+                                    n, M, per, BT=bt, BD=_PROJ_BD, MP=MP, BF16=bf16, HAS_DS_IN=has_ds_in,
+                                    num_warps=PROJ_BWD_WARPS)
     return dx, dw.sum(0)[:M]
 
 
 class _HyperConnectionFunction(torch.autograd.Function):
-    """``(streams [T, n, h], fn, base, scale) -> (post [T, n], comb [T, n, n], collapsed [T, h])``."""
+    """``(streams [T, n, h], fn, base, scale) -> (post [T, n], comb [T, n, n], collapsed [T, h])``, with
+    ``pass_streams`` also a view of ``streams``: whatever uses that view (the output side) hands its streams
+    gradient to this backward, whose projection kernel adds it to its own instead of autograd adding the two."""
 
     @staticmethod
-    def forward(ctx, streams, fn, base, scale, weights_fn, norm_eps):
+    def forward(ctx, streams, fn, base, scale, weights_fn, norm_eps, pass_streams=False):
         T, n, h = streams.shape
         x = streams.view(T, n * h)
         mixes, rstd = _proj_fwd(x, fn, norm_eps)
@@ -334,10 +342,12 @@ class _HyperConnectionFunction(torch.autograd.Function):
                                                           BH=_COL_BH, num_warps=4)
         ctx.save_for_backward(streams, fn, base, scale, mixes, rstd)
         ctx.weights_fn = weights_fn
+        if pass_streams:
+            return post, comb, collapsed, streams.view_as(streams)
         return post, comb, collapsed
 
     @staticmethod
-    def backward(ctx, d_post, d_comb, d_collapsed):
+    def backward(ctx, d_post, d_comb, d_collapsed, d_passed=None):
         streams, fn, base, scale, mixes, rstd = ctx.saved_tensors
         T, n, h = streams.shape
         if d_collapsed is None:
@@ -372,10 +382,10 @@ class _HyperConnectionFunction(torch.autograd.Function):
         dz[:, :M] = g_mixes * rstd[:, None]
         c = -(rstd * rstd / D) * (g_mixes * mixes).sum(-1)
         dx, d_fn = _proj_bwd(streams.view(T, D), fn, dz, c.contiguous(), pre.detach().contiguous(), d_collapsed,
-                             n, h)
+                             n, h, None if d_passed is None else d_passed.reshape(T, D))
         d_streams = dx.view(T, n, h) if ctx.needs_input_grad[0] else None
         d_fn = d_fn.to(fn.dtype) if ctx.needs_input_grad[1] else None
-        return d_streams, d_fn, d_base, d_scale, None, None
+        return d_streams, d_fn, d_base, d_scale, None, None, None
 
 
 class _ApplyOutputFunction(torch.autograd.Function):
@@ -417,18 +427,23 @@ class _ApplyOutputFunction(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------------------------- entry points
 def hyper_connection(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                     weights_fn: Callable, norm_eps: float):
+                     weights_fn: Callable, norm_eps: float, pass_streams: bool = False):
     """Fused mHC input side on ``streams [..., n, h]``: returns ``(post [..., n], comb [..., n, n], collapsed
-    [..., h])`` like ``HyperConnection.forward``. ``weights_fn(mixes [T, M] fp32, base, scale) -> (pre, post,
-    comb)`` is the module's own map from the mixes to the weights (replayed under autograd in backward)."""
+    [..., h])`` like ``HyperConnection.forward``, and with ``pass_streams`` the streams again (a view through
+    which the output side's streams gradient joins this backward's kernel; see ``_HyperConnectionFunction``).
+    ``weights_fn(mixes [T, M] fp32, base, scale) -> (pre, post, comb)`` is the module's own map from the mixes to
+    the weights (replayed under autograd in backward)."""
     if not HAVE_TRITON:
         raise RuntimeError("the fused mHC kernels need triton")
     lead = streams.shape[:-2]
     n, h = streams.shape[-2:]
     flat = streams.reshape(-1, n, h).contiguous()
-    post, comb, collapsed = _HyperConnectionFunction.apply(flat, fn.contiguous(), base, scale, weights_fn,
-                                                           float(norm_eps))
-    return post.view(*lead, n), comb.view(*lead, n, n), collapsed.view(*lead, h)
+    outs = _HyperConnectionFunction.apply(flat, fn.contiguous(), base, scale, weights_fn, float(norm_eps),
+                                          bool(pass_streams))
+    post, comb, collapsed = outs[0].view(*lead, n), outs[1].view(*lead, n, n), outs[2].view(*lead, h)
+    if pass_streams:
+        return post, comb, collapsed, outs[3].view(streams.shape)
+    return post, comb, collapsed
 
 
 def apply_output(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

@@ -123,7 +123,7 @@ class Glm5TransformerLayer(MegatronModule):
     def _mlp_half(self, streams, padding_mask=None):
         """The layer's second half on ``streams [s, b, n, h]`` -> new streams: mHC input side, norm, MLP, mHC output
         side (what :attr:`mlp_graphs` captures for MoE layers)."""
-        post, comb, x = self.ffn_hc(streams)
+        post, comb, x, streams = self.ffn_hc(streams, pass_streams=True)
         x = self._norm(self.pre_mlp_layernorm, x)
         y = self._mlp(x, padding_mask)
         return apply_hyper_connection_output(y, streams, post, comb)
@@ -143,7 +143,7 @@ class Glm5TransformerLayer(MegatronModule):
         n = self.hc_mult
         streams = hidden_states.view(s, b, n, nh // n)
 
-        post, comb, x = self.attn_hc(streams)
+        post, comb, x, streams = self.attn_hc(streams, pass_streams=True)
         x = self._norm(self.input_layernorm, x)
         y, topk = self._attention(x, attention_mask, packed_seq_params, shared_topk_indices)
         streams = apply_hyper_connection_output(y, streams, post, comb)

@@ -124,7 +124,10 @@ def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, recompute: bo
 # ----------------------------------------------------------------------------------------------- module
 class HyperConnection(MegatronModule):
     """One mHC site. ``forward(streams [s, b, n, h]) -> (post [s, b, n] fp32, comb [s, b, n, n] fp32,
-    collapsed [s, b, h] in streams' dtype)``.
+    collapsed [s, b, h] in streams' dtype)``; ``forward(streams, pass_streams=True)`` adds the streams for the
+    site's output side (:func:`apply_hyper_connection_output`) as a fourth value: the input itself, or, on the fused
+    path with ``config.mhc_stream_grad_fusion``, a view whose gradient the fused input-side backward adds in its
+    projection kernel (one pass over the streams gradient fewer than autograd adding the two).
 
     Parameters (HF names, under ``...attn_hc.`` / ``...ffn_hc.``): ``fn`` ``[(2 + n) * n, n * h]`` (used in fp32),
     ``base`` ``[(2 + n) * n]`` fp32 and ``scale`` ``[3]`` fp32 (both ``keep_fp32 = True``).
@@ -149,6 +152,7 @@ class HyperConnection(MegatronModule):
         if recompute_sinkhorn is None:
             recompute_sinkhorn = bool(getattr(config, "hc_recompute_sinkhorn", True))
         self.recompute_sinkhorn = recompute_sinkhorn
+        self.stream_grad_fusion = bool(getattr(config, "mhc_stream_grad_fusion", False))
 
         out = (2 + n) * n
         fn_dtype = getattr(config, "params_dtype", torch.float32) or torch.float32
@@ -206,7 +210,7 @@ class HyperConnection(MegatronModule):
         comb = sinkhorn_normalize(comb, self.hc_sinkhorn_iters, self.hc_eps, recompute=self.recompute_sinkhorn)
         return pre, post, comb
 
-    def forward(self, streams: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, streams: torch.Tensor, pass_streams: bool = False) -> tuple:
         if streams.dim() != 4 or streams.shape[-2] != self.hc_mult:
             raise ValueError(
                 f"HyperConnection expects streams [s, b, {self.hc_mult}, h], got {tuple(streams.shape)} "
@@ -214,11 +218,13 @@ class HyperConnection(MegatronModule):
         if self.use_fused_kernels and _fused_available(streams):
             from megatron_glm5.kernels import mhc as fused
 
-            return fused.hyper_connection(streams, self.fn, self.base, self.scale, self.weights_from_mixes,
-                                          self.norm_eps)
+            fuse = pass_streams and self.stream_grad_fusion
+            out = fused.hyper_connection(streams, self.fn, self.base, self.scale, self.weights_from_mixes,
+                                         self.norm_eps, pass_streams=fuse)
+            return out if fuse or not pass_streams else (*out, streams)
         pre, post, comb = self.compute_weights(streams)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-        return post, comb, collapsed
+        return (post, comb, collapsed, streams) if pass_streams else (post, comb, collapsed)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """All three parameters are replicated over TP (and DP)."""
