@@ -162,6 +162,32 @@ def test_exact_resume_and_a_save_killed_midway(tmp_path):
     assert [k for k in sa if not torch.equal(sa[k], sc[k])] == []
 
 
+def test_torch_fused_adam_trains_like_foreach_and_resumes_exactly(tmp_path):
+    """--torch-fused-adam (torch's fused Adam kernel for megatron-core's torch fallback; CPU here): the losses of 4
+    steps match the default foreach Adam's to fp32 rounding (the same update, another order of operations), and 2
+    steps + save + resume + 2 steps equal 4 straight steps bitwise (weights, moments and the step count)."""
+    common = TINY + ["--mock-data", "--train-iters", "4", "--use-distributed-optimizer"]
+    ref = run(common + ["--tensorboard-dir", str(tmp_path / "tbr")])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    fused = common + ["--torch-fused-adam"]
+    a = run(fused + ["--save", str(tmp_path / "a"), "--tensorboard-dir", str(tmp_path / "tba")])
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert "param groups run torch's fused Adam" in a.stdout and " 0 param groups" not in a.stdout
+    b = run(fused + ["--save", str(tmp_path / "b"), "--exit-interval", "2", "--tensorboard-dir", str(tmp_path / "tbb")])
+    assert b.returncode == 0, b.stderr[-3000:]
+    c = run(fused + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b"),
+                     "--tensorboard-dir", str(tmp_path / "tbc")])
+    assert c.returncode == 0 and "resumed from" in c.stdout, c.stderr[-3000:]
+    lr, la = dict(scalars(tmp_path / "tbr")["lm loss"]), dict(scalars(tmp_path / "tba")["lm loss"])
+    lc = dict(scalars(tmp_path / "tbc")["lm loss"])
+    assert sorted(la) == [1, 2, 3, 4] and all(abs(la[i] - lr[i]) <= 1e-5 * abs(lr[i]) for i in la), (la, lr)
+    assert sorted(lc) == [3, 4] and all(la[i] == lc[i] for i in (3, 4)), (la, lc)
+    sa = read_dist_checkpoint(str(tmp_path / "a" / "iter_0000004"))
+    sc = read_dist_checkpoint(str(tmp_path / "b" / "iter_0000004"))
+    assert sa.keys() == sc.keys() and any(k.startswith("optimizer.") for k in sa)
+    assert [k for k in sa if not torch.equal(sa[k], sc[k])] == []
+
+
 def test_nan_step_is_skipped_and_counted(tmp_path):
     tb = tmp_path / "tb"
     proc = run(TINY + ["--mock-data", "--train-iters", "4", "--inject-nan-at-iteration", "2",

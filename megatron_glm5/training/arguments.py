@@ -109,6 +109,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--torch-fused-adam", action="store_true",
+                   help="megatron-core without Transformer Engine or Apex falls back to torch's Adam in its foreach "
+                        "form (a pass over the fp32 master weights and moments per operation): run torch's fused "
+                        "Adam kernel instead (one pass)")
 
     g = p.add_argument_group("MoE and MTP")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,

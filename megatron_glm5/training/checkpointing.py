@@ -146,7 +146,8 @@ def _set_optimizer_step(part, step: int) -> None:
     inner = part.optimizer
     for s in inner.state.values():
         if "step" in s:
-            s["step"] = torch.tensor(float(step), dtype=s["step"].dtype) if torch.is_tensor(s["step"]) else step
+            s["step"] = (torch.tensor(float(step), dtype=s["step"].dtype, device=s["step"].device)
+                         if torch.is_tensor(s["step"]) else step)  # fused Adam keeps it on the parameter's device
     for g in inner.param_groups:
         if "step" in g:
             g["step"] = step

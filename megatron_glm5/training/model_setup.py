@@ -18,6 +18,8 @@ from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from megatron_glm5.training.logger import print_rank_0
+
 
 def unwrap_model(model):
     """The Glm5Model inside DDP / Float16Module wrappers (a list in, a list out)."""
@@ -81,7 +83,33 @@ def get_optimizer(model: List[torch.nn.Module], config, args, timers=None):
     for part in optimizer_parts(optimizer):
         if getattr(part, "init_state_fn", None) is None and args.optimizer == "sgd":
             part.init_state_fn = _sgd_init_state  # megatron-core has none for SGD: its checkpoints could not load
+    if getattr(args, "torch_fused_adam", False):
+        print_rank_0(f"--torch-fused-adam: {use_torch_fused_adam(optimizer)} param groups run torch's fused Adam")
     return optimizer
+
+
+def use_torch_fused_adam(optimizer) -> int:
+    """Switch the param groups of megatron-core's torch ``Adam`` / ``AdamW`` fallback (no Transformer Engine or
+    Apex) to torch's fused kernel (``fused=True``: one pass over parameters, gradients and moments per step; torch
+    defaults to its foreach form, a pass per operation). The group flag is what ``step`` reads; a group switched
+    before its first step gets its ``step`` counters on the parameters' device, as fused Adam needs, and checkpoint
+    loads keep them there (torch's ``load_state_dict`` for fused groups, :func:`~megatron_glm5.training.
+    checkpointing._set_optimizer_step`). Groups of parameters on more than one device, or on a device without the
+    fused kernel, are left alone. Returns the number of groups switched."""
+    switched = 0
+    for part in optimizer_parts(optimizer):
+        inner = getattr(part, "optimizer", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            devices = {p.device.type for p in group["params"]}
+            if len(devices) != 1 or devices.pop() not in ("cuda", "cpu") or group.get("differentiable"):
+                continue
+            if not all(p.is_floating_point() for p in group["params"]):
+                continue
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+    return switched
 
 
 def optimizer_parts(optimizer) -> list:
