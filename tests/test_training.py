@@ -66,6 +66,22 @@ def test_bad_combination_is_one_line_and_exit_2(capsys, extra, flag):
     assert len(err) == 1 and err[0].startswith("pretrain_glm5_vlm.py: error:") and flag in err[0], err
 
 
+@pytest.mark.parametrize("device, extra, expect", [
+    ("cpu", [], False),                                       # the torch KDA backend has nothing to keep
+    ("cpu", ["--kda-save-intermediates"], True),
+    ("cuda", [], None),                                       # on with fla_fused where FLA is installed
+    ("cuda", ["--no-kda-save-intermediates"], False),
+])
+def test_kda_save_intermediates_flag_reaches_the_config(device, extra, expect):
+    from megatron_glm5.models.builder import default_backends
+    from megatron_glm5.training.arguments import model_config_from_args, parse_args
+
+    cfg = model_config_from_args(parse_args(BASE + ["--mock-data"] + extra, world_size=1), device)
+    if expect is None:
+        expect = default_backends(device)["kda_backend"] == "fla_fused"
+    assert cfg.kda_save_intermediates is expect
+
+
 def test_bad_combination_stops_the_script_before_any_work(tmp_path):
     proc = run(BASE + ["--mock-data", "--global-batch-size", "3", "--tensorboard-dir", str(tmp_path / "tb")])
     lines = error_lines(proc)

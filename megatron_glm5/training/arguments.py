@@ -54,6 +54,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--moe-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="run the MoE layers as replayed CUDA graphs where eligible (default: on with CUDA; they "
                         "run eagerly under EP/TP/CP > 1, aux or z-loss, token dropping or recompute)")
+    g.add_argument("--kda-save-intermediates", action=argparse.BooleanOptionalAction, default=None,
+                   help="fla_fused KDA: keep chunk_kda's forward intermediates for the backward instead of recomputing "
+                        "them (default: on with fla_fused; ~0.57 GiB more per KDA layer per 4K tokens)")
     g.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     g.add_argument("--init-method-std", type=float, default=None,
                    help="std of the random init (default: the config's initializer_range)")
@@ -366,6 +369,8 @@ def model_config_from_args(args, device: str):
         dsa_backend=args.dsa_backend or backends["dsa_backend"],
         moe_experts_backend=args.moe_experts_backend or backends["moe_experts_backend"],
         moe_cuda_graph=backends["moe_cuda_graph"] if args.moe_cuda_graph is None else args.moe_cuda_graph,
+        kda_save_intermediates=(backends.get("kda_save_intermediates", False) if args.kda_save_intermediates is None
+                                else args.kda_save_intermediates),
     )
     if args.num_layers_per_virtual_pipeline_stage is not None:
         overrides["num_layers_per_virtual_pipeline_stage"] = args.num_layers_per_virtual_pipeline_stage
