@@ -26,6 +26,7 @@ INDEXED_ATTENTION = "indexed_attention"
 DENSE_MLP = "dense"
 SPARSE_MLP = "sparse"
 KDA_BACKENDS = ("torch", "fla", "fla_fused")
+KDA_CONV_KERNELS = ("triton", "fla")
 DSA_BACKENDS = ("torch", "sparse", "fused")
 MOE_EXPERTS_BACKENDS = ("sequential", "grouped")
 
@@ -153,6 +154,10 @@ class Glm5Config(MLATransformerConfig):
     'fla_fused' (FLA conv, in-kernel gates and fused gated norm around chunk_kda: the GPU fast path, for bf16; in
     fp32 its TF32 inside FLA's gate and norm kernels puts it ~10x further from the fp32 reference than 'fla', so fp32
     checks on a GPU should pick 'fla')."""
+    kda_conv_kernel: str = "triton"
+    """'fla_fused': the short convolution with its SiLU, forward and backward: 'triton' (``kernels/short_conv.py``,
+    one pass each way, the pre-activation recomputed inside the backward kernel) or 'fla' (FLA's ``causal_conv1d``,
+    whose backward runs the forward again first)."""
     kda_save_intermediates: bool = False
     """'fla_fused': keep ``chunk_kda``'s forward intermediates (gate cumsum, w, u, gated q / k, v_new and the chunk
     states h) for its backward instead of recomputing them there (FLA's ``disable_recompute``). Same arithmetic; at
@@ -271,6 +276,8 @@ class Glm5Config(MLATransformerConfig):
         need(self.linear_conv_kernel_dim >= 1, "linear_conv_kernel_dim", "must be >= 1")
         need(self.linear_lower_bound is None or self.linear_lower_bound < 0, "linear_lower_bound", "must be negative or null")
         need(self.kda_backend in KDA_BACKENDS, "kda_backend", f"{self.kda_backend!r} not in {KDA_BACKENDS}")
+        need(self.kda_conv_kernel in KDA_CONV_KERNELS, "kda_conv_kernel",
+             f"{self.kda_conv_kernel!r} not in {KDA_CONV_KERNELS}")
         need(self.dsa_backend in DSA_BACKENDS, "dsa_backend", f"{self.dsa_backend!r} not in {DSA_BACKENDS}")
         need(self.moe_experts_backend in MOE_EXPERTS_BACKENDS, "moe_experts_backend",
              f"{self.moe_experts_backend!r} not in {MOE_EXPERTS_BACKENDS}")

@@ -7,6 +7,9 @@ layer's GEMMs at the measured matmul rate.
 Prints, per length: each backend's layer time and peak memory, ``chunk_kda`` alone (fwd+bwd on inputs of the
 layer's shapes, gate and beta computed in-kernel, as the fused layer calls it), the projections' FLOPs (x3 for
 fwd+bwd) over the bf16 matmul rate measured at the start, and the ratio layer / (kernel + GEMMs).
+
+``--conv-only`` times only the short convolution + SiLU (fwd+bwd on ``[1, s, H D]`` bf16, fp32 weight): our
+Triton kernel (``kernels/short_conv.py``) against FLA's ``causal_conv1d``, with the bytes a single pass moves.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", default="4096,16384")
     p.add_argument("--backends", default="fla_fused,fla")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--conv-only", action="store_true", help="time only the short convolution, ours against FLA's")
     a = p.parse_args(argv)
+    if a.conv_only:
+        return bench_short_conv([int(x) for x in a.seqs.split(",")], a.iters)
 
     import torch
     from fla.ops.kda import chunk_kda
@@ -81,6 +87,38 @@ def main(argv=None) -> int:
                     f"matmul rate -> layer / (kernel + GEMMs) = {t / (t_kernel + t_gemm):.2f}")
             rows.append(line)
             print(line, flush=True)
+    return 0
+
+
+def bench_short_conv(seqs, iters: int) -> int:
+    """fwd+bwd of silu(short conv) at the released KDA width, ours and FLA's, per length."""
+    import torch
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    from bench_train_step import cuda_time
+    from megatron_glm5.config import glm5_flash_hf_config
+    from megatron_glm5.kernels.short_conv import short_conv_silu
+    from megatron_glm5.models.packing import make_packed_seq_params, row_document_starts
+
+    t = glm5_flash_hf_config()["text_config"]
+    c, width = t["linear_num_heads"] * t["linear_head_dim"], t.get("linear_conv_kernel_dim", 4)
+    for s in seqs:
+        x = torch.randn(1, s, c, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(c, width, device="cuda", requires_grad=True)
+        dy = torch.randn(1, s, c, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, s], dtype=torch.long)
+        cu_dev = cu.cuda()
+        starts = row_document_starts(make_packed_seq_params(cu.int()), s, "cuda")
+        runs = {
+            "ours": lambda: short_conv_silu(x, w, starts),
+            "fla": lambda: causal_conv1d(x=x, weight=w, activation="silu", cu_seqlens=cu_dev, cu_seqlens_cpu=cu)[0],
+        }
+        mb = 4 * s * c * 2 / 1e6                  # x and dy read, y and dx written once: the floor of fwd + bwd
+        for name, fn in runs.items():
+            t_fwd = cuda_time(fn, iters)
+            t_all = cuda_time(lambda: fn().backward(dy), iters)
+            print(f"s={s:6d} short conv {name:4s}: fwd {t_fwd * 1e3:7.1f} us, fwd+bwd {t_all * 1e3:7.1f} us "
+                  f"({mb / t_all * 1e-3:.2f} TB/s of the {mb:.0f} MB a single pass moves)", flush=True)
     return 0
 
 

@@ -13,8 +13,9 @@ document separately gives. Without ``PackedSeqParams`` every batch row is one do
 
 Three backends compute the layer: ``'torch'`` (:func:`chunk_kda_torch`, a chunked WY form in plain PyTorch,
 runs anywhere and is differentiable by autograd), ``'fla'`` (flash-linear-attention ``chunk_kda`` for the delta rule
-only, the rest of the layer in PyTorch) and ``'fla_fused'`` (the GPU fast path: FLA's Triton short convolution with
-SiLU and document resets, ``chunk_kda`` with the forget gate, ``sigmoid(beta)`` and the q/k L2 norm computed inside
+only, the rest of the layer in PyTorch) and ``'fla_fused'`` (the GPU fast path: the short convolution with SiLU
+and document resets as our Triton kernel, ``kernels/short_conv.py``, or FLA's with ``kda_conv_kernel='fla'``,
+``chunk_kda`` with the forget gate, ``sigmoid(beta)`` and the q/k L2 norm computed inside
 its kernels, and FLA's fused gated RMSNorm; CUDA + triton, imported lazily). The fast path keeps the reference
 numerics (fp32 convolution, gates and norms); it is tested against ``'torch'`` on the GPU.
 """
@@ -44,7 +45,8 @@ from megatron.core.transformer.utils import (
 from megatron_glm5.models.linear import linear_output
 from megatron_glm5.models.params import param_device
 from megatron_glm5.config import Glm5Config
-from megatron_glm5.models.packing import document_starts, fla_cu_seqlens, row_cu_seqlens
+from megatron_glm5.kernels.short_conv import short_conv_silu
+from megatron_glm5.models.packing import document_starts, fla_cu_seqlens, row_cu_seqlens, row_document_starts
 from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout
 
 __all__ = [
@@ -410,6 +412,7 @@ class KimiDeltaAttention(MegatronModule):
         self.lower_bound = config.linear_lower_bound
         self.chunk_size = config.kda_chunk_size
         self.save_intermediates = config.kda_save_intermediates
+        self.conv_kernel_name = config.kda_conv_kernel
         self.backend = config.kda_backend
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
         device = param_device(config)
@@ -579,7 +582,12 @@ class KimiDeltaAttention(MegatronModule):
         def batch_first(t):  # [s, b, c] -> [b, s, c] (a free view for b = 1)
             return t.view(1, s, t.shape[-1]) if b == 1 else t.transpose(0, 1).contiguous()
 
+        if self.conv_kernel_name == "triton":
+            starts = row_document_starts(packed_seq_params if cu is not None else None, s, x.device)
+
         def conv(t, w):  # SiLU(causal conv) in fp32 inside the kernel, output in the activation dtype
+            if self.conv_kernel_name == "triton":
+                return short_conv_silu(batch_first(t), w, starts).view(b, s, H, D)
             y, _ = causal_conv1d(x=batch_first(t), weight=w.squeeze(1), activation="silu", cu_seqlens=cu,
                                  cu_seqlens_cpu=cu_cpu)
             return y.view(b, s, H, D)

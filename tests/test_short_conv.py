@@ -1,0 +1,90 @@
+"""KDA's fused short convolution + SiLU (megatron_glm5.kernels.short_conv) against its PyTorch reference (GPU), and
+the document starts it reads (CPU)."""
+
+import pytest
+import torch
+
+from megatron_glm5.models.packing import document_starts, make_packed_seq_params, row_document_starts
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("cu", [None, [0, 7], [0, 1, 2, 30, 31, 57]])
+def test_row_document_starts_match_document_starts(cu):
+    s = 57 if cu is None or cu[-1] == 57 else cu[-1]
+    psp = None if cu is None else make_packed_seq_params(torch.tensor(cu, dtype=torch.int32))
+    got = row_document_starts(psp, s, "cpu")
+    want = document_starts(torch.tensor(cu or [0, s]), s)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    assert row_document_starts(psp, s, "cpu") is got or psp is None   # once per PackedSeqParams
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b, s, c, width, cu", [
+    (1, 300, 96, 4, [0, 1, 2, 40, 41, 200, 300]),     # one-token documents, a tile boundary inside a document
+    (2, 77, 130, 3, None),                              # batch rows, channels not a multiple of the tile
+    (1, 1000, 512, 4, [0, 1000]),
+    (1, 65, 64, 5, [0, 33, 65]),
+])
+def test_kernel_matches_reference(dtype, b, s, c, width, cu):
+    """Output, input gradient and weight gradient on fresh random inputs (a strided input too): fp32 to ~1e-6,
+    bf16 within its output rounding."""
+    from megatron_glm5.kernels.short_conv import short_conv_silu, short_conv_silu_reference
+
+    pytest.importorskip("triton")
+    gen = torch.Generator(device="cuda").manual_seed(b * s + c)
+    wide = torch.randn(b, s, 2 * c, device="cuda", generator=gen).to(dtype)
+    x = wide[..., ::2] if c % 2 else wide[..., :c]       # not contiguous in channels / in rows
+    weight = torch.randn(c, 1, width, device="cuda", generator=gen) * 0.5
+    dy = torch.randn(b, s, c, device="cuda", generator=gen).to(dtype)
+    psp = None if cu is None else make_packed_seq_params(torch.tensor(cu, dtype=torch.int32))
+    starts = row_document_starts(psp, s, "cuda")
+    cu_t = None if cu is None else torch.tensor(cu, device="cuda")
+    outs = []
+    for fn in (lambda xx, ww: short_conv_silu(xx, ww, starts), lambda xx, ww: short_conv_silu_reference(xx, ww, cu_t)):
+        xi, wi = x.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+        y = fn(xi, wi)
+        y.backward(dy)
+        outs.append((y, xi.grad, wi.grad))
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = outs
+    assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == torch.float32
+    tol = 2e-6 if dtype == torch.float32 else 8e-3
+    print(f"short conv {dtype} {b}x{s}x{c} W={width}: y {_rel(y, y_ref):.1e} dx {_rel(dx, dx_ref):.1e} "
+          f"dw {_rel(dw, dw_ref):.1e}")
+    assert _rel(y, y_ref) < tol
+    assert _rel(dx, dx_ref) < tol
+    assert _rel(dw, dw_ref) < (2e-6 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.gpu
+def test_module_conv_kernels_agree():
+    """The 'fla_fused' KDA layer with ``kda_conv_kernel`` 'triton' and 'fla' on a packed bf16 row: the same output
+    and gradients up to bf16 rounding."""
+    pytest.importorskip("fla")
+    from megatron_glm5.config import Glm5Config
+    from megatron_glm5.models.kda import KimiDeltaAttention, get_kda_module_spec
+    from tests.test_kda import _hf_text_dict, _rel_l2, _rel_max
+
+    text = _hf_text_dict(hidden_size=256, linear_num_heads=8, linear_head_dim=64, linear_lower_bound=-5.0)
+    cfg = Glm5Config.from_hf({"text_config": text}, kda_backend="fla_fused")
+    layer = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).cuda().to(torch.bfloat16)
+    cu = torch.tensor([0, 100, 101, 300, 512], dtype=torch.int32, device="cuda")
+    x = torch.randn(512, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn_like(x, dtype=torch.float32)
+    res = {}
+    for kernel in ("fla", "triton"):
+        layer.conv_kernel_name = kernel
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi, packed_seq_params=make_packed_seq_params(cu))[0]
+        (out.float() * w).sum().backward()
+        res[kernel] = (out.float(), xi.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()})
+    print(f"triton vs fla conv: out {_rel_max(res['triton'][0], res['fla'][0]):.2e} "
+          f"dx {_rel_l2(res['triton'][1], res['fla'][1]):.2e}")
+    assert _rel_max(res["triton"][0], res["fla"][0]) < 2e-2
+    assert _rel_l2(res["triton"][1], res["fla"][1]) < 2e-2
+    for n, g in res["fla"][2].items():
+        assert _rel_l2(res["triton"][2][n], g) < 2e-2, n
