@@ -25,9 +25,11 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="fla_fused,fla")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--conv-only", action="store_true", help="time only the short convolution, ours against FLA's")
+    p.add_argument("--conv-tiles", default="", help="with --conv-only, also time these tilings of ours: "
+                   "ROWSxCHANNELSxWARPS,... (e.g. 64x128x8,16x256x4)")
     a = p.parse_args(argv)
     if a.conv_only:
-        return bench_short_conv([int(x) for x in a.seqs.split(",")], a.iters)
+        return bench_short_conv([int(x) for x in a.seqs.split(",")], a.iters, a.conv_tiles)
 
     import torch
     from fla.ops.kda import chunk_kda
@@ -90,13 +92,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def bench_short_conv(seqs, iters: int) -> int:
-    """fwd+bwd of silu(short conv) at the released KDA width, ours and FLA's, per length."""
+def bench_short_conv(seqs, iters: int, tiles: str = "") -> int:
+    """fwd+bwd of silu(short conv) at the released KDA width, ours (its default tiling, then each of ``tiles``) and
+    FLA's, per length."""
     import torch
     from fla.modules.causal_conv1d import causal_conv1d
 
     from bench_train_step import cuda_time
     from megatron_glm5.config import glm5_flash_hf_config
+    from megatron_glm5.kernels import short_conv
     from megatron_glm5.kernels.short_conv import short_conv_silu
     from megatron_glm5.models.packing import make_packed_seq_params, row_document_starts
 
@@ -113,12 +117,26 @@ def bench_short_conv(seqs, iters: int) -> int:
             "ours": lambda: short_conv_silu(x, w, starts),
             "fla": lambda: causal_conv1d(x=x, weight=w, activation="silu", cu_seqlens=cu_dev, cu_seqlens_cpu=cu)[0],
         }
+        default = dict(short_conv.SHORT_CONV_CONFIG)
+        for tile in filter(None, tiles.split(",")):
+            bt, bc, nw = (int(v) for v in tile.split("x"))
+            runs[f"ours {tile}"] = (dict(BT=bt, BC=bc, num_warps=nw), runs["ours"])
         mb = 4 * s * c * 2 / 1e6                  # x and dy read, y and dx written once: the floor of fwd + bwd
         for name, fn in runs.items():
+            cfg, fn = fn if isinstance(fn, tuple) else (default, fn)
+            short_conv.SHORT_CONV_CONFIG.update(cfg)
+            y = fn()
+            if name.startswith("ours "):                   # another tiling: the same numbers as the default's
+                short_conv.SHORT_CONV_CONFIG.update(default)
+                ok = torch.equal(y, runs["ours"]())
+                short_conv.SHORT_CONV_CONFIG.update(cfg)
+                if not ok:
+                    print(f"s={s:6d} short conv {name}: output differs from the default tiling's", flush=True)
             t_fwd = cuda_time(fn, iters)
             t_all = cuda_time(lambda: fn().backward(dy), iters)
-            print(f"s={s:6d} short conv {name:4s}: fwd {t_fwd * 1e3:7.1f} us, fwd+bwd {t_all * 1e3:7.1f} us "
+            print(f"s={s:6d} short conv {name:14s}: fwd {t_fwd * 1e3:7.1f} us, fwd+bwd {t_all * 1e3:7.1f} us "
                   f"({mb / t_all * 1e-3:.2f} TB/s of the {mb:.0f} MB a single pass moves)", flush=True)
+        short_conv.SHORT_CONV_CONFIG.update(default)
     return 0
 
 
