@@ -156,8 +156,8 @@ class Glm5Config(MLATransformerConfig):
     checks on a GPU should pick 'fla')."""
     kda_conv_kernel: str = "triton"
     """'fla_fused': the short convolution with its SiLU, forward and backward: 'triton' (``kernels/short_conv.py``,
-    one pass each way, the pre-activation recomputed inside the backward kernel) or 'fla' (FLA's ``causal_conv1d``,
-    whose backward runs the forward again first)."""
+    one pass each way, the pre-activation recomputed inside the backward kernel; up to 4 taps, wider convolutions
+    take FLA's) or 'fla' (FLA's ``causal_conv1d``, whose backward runs the forward again first)."""
     kda_save_intermediates: bool = False
     """'fla_fused': keep ``chunk_kda``'s forward intermediates (gate cumsum, w, u, gated q / k, v_new and the chunk
     states h) for its backward instead of recomputing them there (FLA's ``disable_recompute``). Same arithmetic; at

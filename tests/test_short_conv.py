@@ -21,13 +21,21 @@ def test_row_document_starts_match_document_starts(cu):
     assert row_document_starts(psp, s, "cpu") is got or psp is None   # once per PackedSeqParams
 
 
+def test_wider_convolutions_are_refused():
+    from megatron_glm5.kernels.short_conv import MAX_TAPS, short_conv_silu
+
+    with pytest.raises(ValueError, match="taps"):
+        short_conv_silu(torch.zeros(1, 8, 4), torch.zeros(4, MAX_TAPS + 1), torch.zeros(8, dtype=torch.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b, s, c, width, cu", [
     (1, 300, 96, 4, [0, 1, 2, 40, 41, 200, 300]),     # one-token documents, a tile boundary inside a document
     (2, 77, 130, 3, None),                              # batch rows, channels not a multiple of the tile
     (1, 1000, 512, 4, [0, 1000]),
-    (1, 65, 64, 5, [0, 33, 65]),
+    (1, 65, 64, 2, [0, 33, 65]),
+    (1, 700, 40, 4, [0, 1, 2, 3, 127, 128, 129, 256, 700]),   # documents starting at the backward's row blocks
 ])
 def test_kernel_matches_reference(dtype, b, s, c, width, cu):
     """Output, input gradient and weight gradient on fresh random inputs (a strided input too): fp32 to ~1e-6,
@@ -88,3 +96,16 @@ def test_module_conv_kernels_agree():
     assert _rel_l2(res["triton"][1], res["fla"][1]) < 2e-2
     for n, g in res["fla"][2].items():
         assert _rel_l2(res["triton"][2][n], g) < 2e-2, n
+
+
+@pytest.mark.parametrize("width, expect", [(4, "triton"), (2, "triton"), (5, "fla")])
+def test_wider_module_convolutions_take_fla(mcore, width, expect):
+    """The 'fla_fused' KDA layer runs the fused kernel up to MAX_TAPS taps and FLA's convolution beyond."""
+    from megatron_glm5.config import Glm5Config
+    from megatron_glm5.models.kda import KimiDeltaAttention, get_kda_module_spec
+    from tests.test_kda import _hf_text_dict
+
+    text = _hf_text_dict(hidden_size=64, linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=width)
+    cfg = Glm5Config.from_hf({"text_config": text}, kda_backend="fla_fused")
+    layer = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1)
+    assert layer.conv_kernel_name == expect

@@ -16,9 +16,14 @@ recomputed from ``x``, nothing saved but ``x``)::
     dw[c, W - 1 - j] = sum_{t, t - j >= start(t)} g[t, c] x[t - j, c]                (fp32, [b x row tiles] partial
                                                                                      sums added up by torch)
 
-One program owns a ``[BT rows, BC channels]`` tile; the shifted rows it reads again are L1 / L2 hits. This replaces
-FLA's ``causal_conv1d`` on the ``'fla_fused'`` KDA path (whose backward kernel took ~585 us per call on a
-``[8192, 4096]`` bf16 input on an H200, and recomputes the forward first).
+Forward: one program a ``[BT rows, BC channels]`` tile; the ``W - 1`` shifted rows it reads again are L1 / L2 hits.
+Backward: one program walks ``ROWS`` rows of ``BC`` channels in order, loading each row of ``x`` and ``dy`` once
+(the next row's loads in flight while it computes) and carrying the last three rows of ``x`` and ``g`` in
+registers -- the tile form of the backward, which reloads ``W^2`` shifted tiles, needs 255 registers a thread and
+spills on sm_90 (a first version of this kernel in the fifth session was 2.5x slower than FLA's for that reason).
+Up to :data:`MAX_TAPS` taps. This replaces FLA's ``causal_conv1d`` on the ``'fla_fused'`` KDA path, whose backward
+kernel took ~585 us per call on an ``[8192, 8192]`` bf16 input on an H200 (~0.9 TB/s) and runs the forward again
+first.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ import torch
 
 from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "SHORT_CONV_CONFIG", "short_conv_silu", "short_conv_silu_reference"]
+__all__ = ["HAVE_TRITON", "MAX_TAPS", "SHORT_CONV_CONFIG", "short_conv_silu", "short_conv_silu_reference"]
 
-SHORT_CONV_CONFIG = dict(BT=32, BC=128, num_warps=4)
-"""Tile of both kernels: rows, channels (a power of two), warps."""
+SHORT_CONV_CONFIG = dict(fwd=dict(BT=16, BC=128, num_warps=4), bwd=dict(ROWS=128, BC=256, num_warps=2))
+"""Tilings. Forward: ``[BT rows, BC channels]`` tiles (84 registers a thread on sm_90 at 16 x 128, no spills).
+Backward: ``ROWS`` rows walked by each program of ``BC`` channels (``BC`` a power of two)."""
+MAX_TAPS = 4
+"""The backward kernel carries three earlier rows: convolutions up to 4 taps wide (wider ones take FLA's)."""
 
 
 def short_conv_silu_reference(x: torch.Tensor, weight: torch.Tensor,
@@ -64,7 +72,7 @@ if HAVE_TRITON:
     def _short_conv_fwd_kernel(X, WT, STARTS, Y, S, C, stride_xb, stride_xs, stride_yb, stride_ys,
                                KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
         pid_c, pid_t, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-        t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
+        t = pid_t * BT + tl.arange(0, BT)
         offs_c = pid_c * BC + tl.arange(0, BC)
         c_ok = offs_c < C
         mt = t < S
@@ -75,56 +83,99 @@ if HAVE_TRITON:
                  mask=mt[:, None] & c_ok[None, :])
 
     @triton.jit
+    def _lag_weight(WT, offs_c, c_ok, lag: tl.constexpr, KW: tl.constexpr):
+        """``[BC]`` fp32 weight of the tap ``lag`` rows back (``weight[:, KW - 1 - lag]``; 0 for ``lag >= KW``)."""
+        if lag < KW:
+            return tl.load(WT + offs_c * KW + (KW - 1 - lag), mask=c_ok, other=0.0)
+        else:
+            return tl.zeros([offs_c.shape[0]], tl.float32)
+
+    @triton.jit
     def _short_conv_bwd_kernel(X, WT, STARTS, DY, DX, DWP, S, C, stride_xb, stride_xs, stride_dyb, stride_dys,
-                               stride_dxb, stride_dxs, n_tiles, KW: tl.constexpr, BT: tl.constexpr,
+                               stride_dxb, stride_dxs, n_tiles, KW: tl.constexpr, ROWS: tl.constexpr,
                                BC: tl.constexpr):
-        pid_c, pid_t, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-        t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
+        """Program (channel block, row block, batch row): one pass down rows ``[r0, r1)`` (3 more at the end for the
+        last ``dx`` rows), each row of ``x`` and ``dy`` loaded once (the next row's load in flight meanwhile) and
+        the last three rows of ``x`` and of ``g`` (and their documents' starts) carried in registers; up to 4 taps
+        (lags 0-3; ``KW <= 4``)."""
+        pid_c, pid_r, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         offs_c = pid_c * BC + tl.arange(0, BC)
         c_ok = offs_c < C
-        mt = t < S
-        x_base = pid_b * stride_xb
-        dx = tl.zeros([BT, BC], tl.float32)
-        g0 = tl.zeros([BT, BC], tl.float32)
-        st_t = tl.load(STARTS + t, mask=mt, other=0)
-        for i in tl.static_range(KW):                 # the output row u = t + i reads x[t] through tap i
-            u = t + i
-            mu = u < S
-            st_u = tl.load(STARTS + u, mask=mu, other=0)
-            pre = _preact(X, WT, st_u, u, mu, x_base, stride_xs, offs_c, c_ok, KW, BT, BC)
-            dyv = tl.load(DY + pid_b * stride_dyb + u[:, None] * stride_dys + offs_c[None, :],
-                          mask=mu[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        r0 = pid_r.to(tl.int64) * ROWS        # int64 rows: the loop's row index is int64 too
+        r1 = tl.minimum(r0 + ROWS, S)
+        xb = X + pid_b * stride_xb + offs_c
+        dyb = DY + pid_b * stride_dyb + offs_c
+        dxb = DX + pid_b * stride_dxb + offs_c
+        w0 = _lag_weight(WT, offs_c, c_ok, 0, KW)
+        w1 = _lag_weight(WT, offs_c, c_ok, 1, KW)
+        w2 = _lag_weight(WT, offs_c, c_ok, 2, KW)
+        w3 = _lag_weight(WT, offs_c, c_ok, 3, KW)
+        # x[u - 1], x[u - 2], x[u - 3] (raw: whether a tap stays inside u's document is decided per row)
+        xm1 = tl.load(xb + (r0 - 1) * stride_xs, mask=c_ok & (r0 >= 1), other=0.0).to(tl.float32)
+        xm2 = tl.load(xb + (r0 - 2) * stride_xs, mask=c_ok & (r0 >= 2), other=0.0).to(tl.float32)
+        xm3 = tl.load(xb + (r0 - 3) * stride_xs, mask=c_ok & (r0 >= 3), other=0.0).to(tl.float32)
+        gm1 = tl.zeros([BC], tl.float32)      # g[u - 1], g[u - 2], g[u - 3]
+        gm2 = tl.zeros([BC], tl.float32)
+        gm3 = tl.zeros([BC], tl.float32)
+        sm1 = tl.zeros([], tl.int32)          # starts of the documents of rows u - 1, u - 2
+        sm2 = tl.zeros([], tl.int32)
+        dw0 = tl.zeros([BC], tl.float32)      # dw by lag, this program's rows
+        dw1 = tl.zeros([BC], tl.float32)
+        dw2 = tl.zeros([BC], tl.float32)
+        dw3 = tl.zeros([BC], tl.float32)
+        x_next = tl.load(xb + r0 * stride_xs, mask=c_ok & (r0 < S), other=0.0)
+        dy_next = tl.load(dyb + r0 * stride_dys, mask=c_ok & (r0 < S), other=0.0)
+        st_next = tl.load(STARTS + r0, mask=r0 < S, other=0)
+        for u in range(r0, r1 + 3):
+            xu = x_next.to(tl.float32)
+            dyu = dy_next.to(tl.float32)
+            st = st_next
+            nxt = (u + 1 < S) & (u + 1 < r1 + 3)
+            x_next = tl.load(xb + (u + 1) * stride_xs, mask=c_ok & nxt, other=0.0)
+            dy_next = tl.load(dyb + (u + 1) * stride_dys, mask=c_ok & nxt, other=0.0)
+            st_next = tl.load(STARTS + u + 1, mask=nxt, other=0)
+            v1 = u - 1 >= st
+            v2 = u - 2 >= st
+            v3 = u - 3 >= st
+            pre = w0 * xu + tl.where(v1, w1 * xm1, 0.0) + tl.where(v2, w2 * xm2, 0.0) + tl.where(v3, w3 * xm3, 0.0)
             sg = tl.sigmoid(pre)
-            g = dyv * sg * (1.0 + pre * (1.0 - sg))
-            wv = tl.load(WT + offs_c * KW + (KW - 1 - i), mask=c_ok, other=0.0)
-            same_doc = mu & (st_u <= t)
-            dx += tl.where(same_doc[:, None], g * wv[None, :], 0.0)
-            if i == 0:
-                g0 = g
-        tl.store(DX + pid_b * stride_dxb + t[:, None] * stride_dxs + offs_c[None, :], dx.to(DX.dtype.element_ty),
-                 mask=mt[:, None] & c_ok[None, :])
-        tile = pid_b * n_tiles + pid_t
-        for j in tl.static_range(KW):                 # dw[c, KW - 1 - j]: this tile's rows t against x[t - j]
-            tj = t - j
-            m = (mt & (tj >= st_t))[:, None] & c_ok[None, :]
-            xv = tl.load(X + x_base + tj[:, None] * stride_xs + offs_c[None, :], mask=m, other=0.0)
-            part = tl.sum(g0 * xv.to(tl.float32), 0)
-            tl.store(DWP + tile * (KW * C) + (KW - 1 - j) * C + offs_c, part, mask=c_ok)
-
-
-def _launch_shape(x: torch.Tensor):
-    b, s, c = x.shape
-    cfg = SHORT_CONV_CONFIG
-    return b, s, c, (triton.cdiv(c, cfg["BC"]), triton.cdiv(s, cfg["BT"]), b)
+            g = dyu * sg * (1.0 + pre * (1.0 - sg))            # 0 past the sequence (dy read as 0 there)
+            own = (u < r1).to(tl.float32)
+            gx = g * own
+            dw0 += gx * xu
+            dw1 += tl.where(v1, gx * xm1, 0.0)
+            dw2 += tl.where(v2, gx * xm2, 0.0)
+            dw3 += tl.where(v3, gx * xm3, 0.0)
+            t = u - 3                                           # dx[t] = sum_i w_lag(i) g[t + i], same document
+            dx = w0 * gm3 + tl.where(sm2 <= t, w1 * gm2, 0.0) + tl.where(sm1 <= t, w2 * gm1, 0.0) \
+                + tl.where(st <= t, w3 * g, 0.0)
+            tl.store(dxb + t * stride_dxs, dx.to(DX.dtype.element_ty), mask=c_ok & (t >= r0) & (t < r1))
+            xm3 = xm2
+            xm2 = xm1
+            xm1 = xu
+            gm3 = gm2
+            gm2 = gm1
+            gm1 = g
+            sm2 = sm1
+            sm1 = st
+        part = DWP + (pid_b * n_tiles + pid_r) * (KW * C) + offs_c
+        tl.store(part + (KW - 1) * C, dw0, mask=c_ok)
+        if KW > 1:
+            tl.store(part + (KW - 2) * C, dw1, mask=c_ok)
+        if KW > 2:
+            tl.store(part + (KW - 3) * C, dw2, mask=c_ok)
+        if KW > 3:
+            tl.store(part + (KW - 4) * C, dw3, mask=c_ok)
 
 
 class _ShortConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, starts):
-        b, s, c, grid = _launch_shape(x)
+        b, s, c = x.shape
         kw = weight.shape[1]
         y = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
-        cfg = SHORT_CONV_CONFIG
+        cfg = SHORT_CONV_CONFIG["fwd"]
+        grid = (triton.cdiv(c, cfg["BC"]), triton.cdiv(s, cfg["BT"]), b)
         _short_conv_fwd_kernel[grid](x, weight, starts, y, s, c, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
                                      KW=kw, BT=cfg["BT"], BC=cfg["BC"], num_warps=cfg["num_warps"])
         ctx.save_for_backward(x, weight, starts)
@@ -133,17 +184,17 @@ class _ShortConvSiLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, starts = ctx.saved_tensors
-        b, s, c, grid = _launch_shape(x)
+        b, s, c = x.shape
         kw = weight.shape[1]
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         dx = torch.empty(b, s, c, device=x.device, dtype=x.dtype)
-        n_tiles = grid[1]
+        cfg = SHORT_CONV_CONFIG["bwd"]
+        n_tiles = triton.cdiv(s, cfg["ROWS"])
         dwp = torch.empty(b * n_tiles, kw, c, device=x.device, dtype=torch.float32)
-        cfg = SHORT_CONV_CONFIG
-        _short_conv_bwd_kernel[grid](x, weight, starts, dy, dx, dwp, s, c, x.stride(0), x.stride(1), dy.stride(0),
-                                     dy.stride(1), dx.stride(0), dx.stride(1), n_tiles, KW=kw, BT=cfg["BT"],
-                                     BC=cfg["BC"], num_warps=cfg["num_warps"])
+        _short_conv_bwd_kernel[(triton.cdiv(c, cfg["BC"]), n_tiles, b)](
+            x, weight, starts, dy, dx, dwp, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
+            dx.stride(1), n_tiles, KW=kw, ROWS=cfg["ROWS"], BC=cfg["BC"], num_warps=cfg["num_warps"])
         dw = dwp.sum(0).t().to(weight.dtype)                    # [c, W]
         return dx, dw, None
 
@@ -160,14 +211,16 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor)
     Returns:
         ``[b, s, c]`` in ``x.dtype`` (fp32 arithmetic inside).
     """
-    if not HAVE_TRITON:
-        raise RuntimeError("the fused short convolution needs triton")
     if weight.dim() == 3:
         weight = weight.squeeze(1)
     if x.dim() != 3 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"expected x [b, s, c] and weight [c, W], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.shape[1] > MAX_TAPS:
+        raise ValueError(f"the fused short convolution takes at most {MAX_TAPS} taps, got {weight.shape[1]}")
     if starts.shape != (x.shape[1],) or starts.dtype != torch.int32:
         raise ValueError(f"starts must be int32 [{x.shape[1]}], got {starts.dtype} {tuple(starts.shape)}")
+    if not HAVE_TRITON:
+        raise RuntimeError("the fused short convolution needs triton")
     if x.stride(-1) != 1:
         x = x.contiguous()
     return _ShortConvSiLU.apply(x, weight.contiguous(), starts)

@@ -45,7 +45,7 @@ from megatron.core.transformer.utils import (
 from megatron_glm5.models.linear import linear_output
 from megatron_glm5.models.params import param_device
 from megatron_glm5.config import Glm5Config
-from megatron_glm5.kernels.short_conv import short_conv_silu
+from megatron_glm5.kernels.short_conv import MAX_TAPS, short_conv_silu
 from megatron_glm5.models.packing import document_starts, fla_cu_seqlens, row_cu_seqlens, row_document_starts
 from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout
 
@@ -412,7 +412,8 @@ class KimiDeltaAttention(MegatronModule):
         self.lower_bound = config.linear_lower_bound
         self.chunk_size = config.kda_chunk_size
         self.save_intermediates = config.kda_save_intermediates
-        self.conv_kernel_name = config.kda_conv_kernel
+        # the fused kernel carries up to MAX_TAPS taps; a wider convolution takes FLA's
+        self.conv_kernel_name = config.kda_conv_kernel if self.conv_kernel <= MAX_TAPS else "fla"
         self.backend = config.kda_backend
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
         device = param_device(config)
