@@ -68,7 +68,7 @@ def test_kernel_matches_reference(dtype, b, s, c, width, cu):
 
 
 @pytest.mark.gpu
-def test_module_conv_kernels_agree():
+def test_module_conv_kernels_agree(mcore):
     """The 'fla_fused' KDA layer with ``kda_conv_kernel`` 'triton' and 'fla' on a packed bf16 row: the same output
     and gradients up to bf16 rounding."""
     pytest.importorskip("fla")
