@@ -452,26 +452,33 @@ def test_fla_fused_backend_matches_torch(mcore, dtype, lower_bound):
         assert _rel_l2(res[1][2][n], res[0][2][n]) < tol_grad, n
 
 
-@pytest.mark.gpu
-def test_fla_fused_saved_intermediates_match_recompute(mcore):
-    """``kda_save_intermediates`` (FLA's ``disable_recompute``: the backward reads the forward's w, u, gated q / k,
-    v_new and chunk states instead of recomputing them) gives the same output and gradients as recomputing them,
-    bf16 at the released KDA widths on a packed row."""
-    pytest.importorskip("triton")
-    text = _hf_text_dict(hidden_size=256, linear_num_heads=64, linear_head_dim=128, linear_lower_bound=-5.0)
+def _fused_layer_variants(attr: str, values, **text_changes):
+    """The bf16 'fla_fused' KDA layer on a packed row of 512 tokens, run once per value of the layer attribute
+    ``attr``: ``{value: (output, input gradient, {parameter: gradient})}`` in fp32."""
+    text = _hf_text_dict(hidden_size=256, linear_lower_bound=-5.0, **text_changes)
     cfg = Glm5Config.from_hf({"text_config": text}, kda_backend="fla_fused")
     layer = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1).cuda().to(torch.bfloat16)
     cu = torch.tensor([0, 100, 101, 300, 512], dtype=torch.int32, device="cuda")
     x = torch.randn(512, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     w = torch.randn_like(x, dtype=torch.float32)
     res = {}
-    for save in (False, True):
-        layer.save_intermediates = save
+    for value in values:
+        setattr(layer, attr, value)
         layer.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
         out = layer(xi, packed_seq_params=make_packed_seq_params(cu))[0]
         (out.float() * w).sum().backward()
-        res[save] = (out.float(), xi.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()})
+        res[value] = (out.float(), xi.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()})
+    return res
+
+
+@pytest.mark.gpu
+def test_fla_fused_saved_intermediates_match_recompute(mcore):
+    """``kda_save_intermediates`` (FLA's ``disable_recompute``: the backward reads the forward's w, u, gated q / k,
+    v_new and chunk states instead of recomputing them) gives the same output and gradients as recomputing them,
+    bf16 at the released KDA widths on a packed row."""
+    pytest.importorskip("triton")
+    res = _fused_layer_variants("save_intermediates", (False, True), linear_num_heads=64, linear_head_dim=128)
     print(f"saved vs recomputed: out {_rel_max(res[True][0], res[False][0]):.2e} "
           f"dx {_rel_l2(res[True][1], res[False][1]):.2e}")
     assert torch.equal(res[True][0], res[False][0])  # the forward is the same computation
@@ -479,6 +486,20 @@ def test_fla_fused_saved_intermediates_match_recompute(mcore):
     for n, g in res[False][2].items():
         assert torch.isfinite(res[True][2][n]).all(), n
         assert _rel_l2(res[True][2][n], g) < 2e-3, n
+
+
+@pytest.mark.gpu
+def test_fla_fused_conv_kernels_agree(mcore):
+    """The 'fla_fused' KDA layer with ``kda_conv_kernel`` 'triton' (``kernels/short_conv.py``) and 'fla' on a
+    packed bf16 row: the same output and gradients up to bf16 rounding."""
+    pytest.importorskip("fla")
+    res = _fused_layer_variants("conv_kernel_name", ("fla", "triton"), linear_num_heads=8, linear_head_dim=64)
+    print(f"triton vs fla conv: out {_rel_max(res['triton'][0], res['fla'][0]):.2e} "
+          f"dx {_rel_l2(res['triton'][1], res['fla'][1]):.2e}")
+    assert _rel_max(res["triton"][0], res["fla"][0]) < 2e-2
+    assert _rel_l2(res["triton"][1], res["fla"][1]) < 2e-2
+    for n, g in res["fla"][2].items():
+        assert _rel_l2(res["triton"][2][n], g) < 2e-2, n
 
 
 def test_fla_tune_configs_env(monkeypatch):
