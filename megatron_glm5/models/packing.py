@@ -45,17 +45,16 @@ def row_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], seq_len: int, d
 
 
 def row_document_starts(packed_seq_params: Optional[PackedSeqParams], seq_len: int, device) -> torch.Tensor:
-    """int32 ``[seq_len]``: the row position where each position's document starts (zeros without packing), built
-    on the host from the checked boundaries and copied without a host sync, once per ``PackedSeqParams`` and
-    device (every KDA layer of a step asks)."""
+    """int32 ``[seq_len]``: :func:`document_starts` of a packed row (zeros without packing), computed once per
+    ``PackedSeqParams`` and device (every KDA layer of a step asks) from the cached device boundaries, without a
+    host sync."""
     if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
         return torch.zeros(seq_len, dtype=torch.int32, device=device)
-    row, cache = _checked_row(packed_seq_params, seq_len)
+    _, cache = _checked_row(packed_seq_params, seq_len)
     key = ("starts", torch.device(device))
     if key not in cache:
-        lengths = torch.tensor([b - a for a, b in zip(row[:-1], row[1:])], dtype=torch.long)
-        starts = torch.repeat_interleave(torch.tensor(row[:-1], dtype=torch.int32), lengths)
-        cache[key] = to_device_async(starts, device)
+        cu = row_cu_seqlens(packed_seq_params, seq_len, device)
+        cache[key] = document_starts(cu, seq_len).to(torch.int32)
     return cache[key]
 
 
