@@ -16,21 +16,25 @@ import sys
 
 
 def _time_indexer(indexer, x, psp, cfg, s: int, iters: int) -> None:
-    """The layer's indexer alone (it has no backward): fused Triton pool scores vs the PyTorch ops."""
+    """The layer's indexer alone (it has no backward): fused Triton pool scores, the same with the masking and sort
+    keys in the kernel (``fuse_topk_keys``; the selections compared), and the PyTorch ops."""
     import torch
 
     from bench_train_step import cuda_time
 
     q_resid = torch.randn(s, 1, cfg.q_lora_rank, device=x.device, dtype=x.dtype)
-    res = {}
-    for fused in (True, False):
+    res, picks = {}, {}
+    for name, fused, keys in (("fused scores", True, False), ("fused keys", True, True),
+                              ("PyTorch scores", False, False)):
         if not fused and s > 16384:
             continue
-        indexer.use_fused_scores = fused
-        res[fused] = cuda_time(lambda: indexer(x.detach(), q_resid, packed_seq_params=psp), iters)
-    indexer.use_fused_scores = True
-    torch_ms = f"{res[False]:8.1f} ms" if False in res else "       -"
-    print(f"    indexer alone seq={s:6d}: fused scores {res[True]:8.1f} ms | PyTorch scores {torch_ms}")
+        indexer.use_fused_scores, indexer.fuse_topk_keys = fused, keys
+        picks[name] = indexer(x.detach(), q_resid, packed_seq_params=psp)
+        res[name] = cuda_time(lambda: indexer(x.detach(), q_resid, packed_seq_params=psp), iters)
+    indexer.use_fused_scores, indexer.fuse_topk_keys = True, type(indexer).fuse_topk_keys
+    same = torch.equal(picks["fused keys"].sort(-1).values, picks["fused scores"].sort(-1).values)
+    print(f"    indexer alone seq={s:6d}: " + " | ".join(f"{n} {t:8.1f} ms" for n, t in res.items())
+          + f" (fused keys select the same positions: {same})")
 
 
 def main(argv=None) -> int:

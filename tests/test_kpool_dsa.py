@@ -300,6 +300,69 @@ def test_fused_indexer_scores_match_reference_gpu(b, c, H, D, p, qdtype):
     assert torch.equal(got[0, 0][zero], ref[0, 0][zero])
 
 
+def _decode_keys(keys: torch.Tensor):
+    """(scores, low 32 bits) of int64 sort keys (the inverse of tie_ordered_keys)."""
+    mono = (keys >> 32).to(torch.int32)
+    bits = mono ^ ((mono >> 31) & 0x7FFFFFFF)
+    return bits.view(torch.float32), keys & 0xFFFFFFFF
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,c,H,D,p,qdtype,docs", [(1, 333, 32, 128, 517, torch.bfloat16, [0, 700, 1400, 2100]),
+                                                    (2, 70, 3, 100, 65, torch.float32, [0, 30, 1000]),
+                                                    (1, 1, 5, 8, 1, torch.float32, [0, 64])])
+def test_fused_indexer_topk_keys_match_reference_gpu(b, c, H, D, p, qdtype, docs):
+    """The masked sort keys from the kernel (kernels/indexer_scores.py, ``KEYS``) against masked_topk_keys of the
+    PyTorch scores on fresh random inputs: masked pairs (other document, pool past the query; whole tiles of them
+    skipped) bitwise equal, valid pairs' scores to 2e-6 of the largest, the index bits exact."""
+    pytest.importorskip("triton")
+    from megatron_glm5.kernels.indexer_scores import indexer_topk_keys, indexer_topk_keys_reference
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    q = torch.randn(b, c + 3, H, D, generator=g).to(qdtype).cuda()[:, 3:]
+    keys = torch.randn(b, p, D, generator=g).cuda()
+    w = torch.randn(b, c, H, generator=g).cuda()
+    first_pos = int(torch.randint(0, 200, (1,), generator=g))
+    bounds = torch.tensor(docs)
+    pos = first_pos + torch.arange(c)
+    query_doc = (torch.searchsorted(bounds, pos, right=True) - 1).cuda()
+    pool_end = torch.sort(torch.randint(0, first_pos + c + 50, (p,), generator=g)).values
+    pool_doc = (torch.searchsorted(bounds, pool_end, right=True) - 1).cuda()
+    pool_end = pool_end.cuda()
+    got = indexer_topk_keys(q, keys, w, D ** -0.5, query_doc, first_pos, pool_doc, pool_end)
+    ref = indexer_topk_keys_reference(q, keys, w, D ** -0.5, query_doc, first_pos, pool_doc, pool_end)
+    assert got.shape == ref.shape == (b, c, p) and got.dtype == torch.int64
+    (gs, gi), (rs, ri) = _decode_keys(got), _decode_keys(ref)
+    assert torch.equal(gi, ri)
+    masked = rs == torch.finfo(torch.float32).min
+    assert torch.equal(got[masked], ref[masked]) and torch.equal(gs == torch.finfo(torch.float32).min, masked)
+    scale = rs[~masked].abs().max().item() if (~masked).any() else 0.0
+    assert (gs[~masked] - rs[~masked]).abs().max().item() <= 2e-6 * scale if (~masked).any() else True
+
+
+@pytest.mark.gpu
+def test_fused_indexer_keys_select_as_reference_gpu(mcore, monkeypatch):
+    """The indexer module with ``fuse_topk_keys`` (masking and sort keys in the scores kernel) selects the same
+    positions as with the PyTorch scores, on a packed row of several documents with tails, over several chunks."""
+    pytest.importorskip("triton")
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    cfg, _ = _configs(**{**MAIN, "index_topk": 16})
+    ix = KPoolIndexer(cfg)
+    _randomize_indexer(ix, antithetic=True)
+    ix = ix.cuda()
+    cu, _ = _doc_bounds([157, 3, 400, 91])
+    s = int(cu[-1])
+    x = torch.randn(s, 1, cfg.hidden_size, device="cuda")
+    qr = torch.randn(s, 1, cfg.q_lora_rank, device="cuda")
+    psp = make_packed_seq_params(cu.cuda())
+    monkeypatch.setattr(KPoolIndexer, "score_chunk_elements", 200 * 64)   # several query chunks
+    monkeypatch.setattr(KPoolIndexer, "fuse_topk_keys", True)
+    fused = ix(x, qr, packed_seq_params=psp)
+    monkeypatch.setattr(KPoolIndexer, "use_fused_scores", False)
+    ref = ix(x, qr, packed_seq_params=psp)
+    assert all(_sets(fused[0, i]) == _sets(ref[0, i]) for i in range(s))
+
+
 @pytest.mark.gpu
 def test_fused_indexer_selects_as_reference_gpu(mcore, monkeypatch):
     """The indexer module on CUDA, fused scores vs its PyTorch scores, on a packed row of several documents with the

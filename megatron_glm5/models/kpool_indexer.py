@@ -79,16 +79,10 @@ def kpool_pool_layout(cu_seqlens: torch.Tensor, kpool: int) -> Tuple[torch.Tenso
 def topk_first_on_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest of ``scores`` ``[..., n]`` (float32) along the last dim, equal scores going to
     the lower index: the order a stable descending sort gives (:func:`topk_first_on_ties_reference`), at the cost of
-    one ``topk``. ``torch.topk`` alone breaks ties by its own layout, so the pools chosen among equal scores would
-    depend on how the candidates were chunked (CP ranks, score chunks).
-
-    Each score becomes one int64 key: its float bits made monotonic (``-0.0`` counted as ``+0.0``) in the high 32
-    bits, ``n - 1 - index`` in the low ones; keys are distinct and order like (score, -index)."""
-    n = scores.shape[-1]
-    bits = (scores.float() + 0.0).view(torch.int32)                   # + 0.0: -0.0 -> +0.0
-    monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # signed order of the floats (not NaN)
-    rank_in_ties = n - 1 - torch.arange(n, device=scores.device, dtype=torch.int64)
-    return ((monotonic << 32) | rank_in_ties).topk(k, dim=-1).indices
+    one ``topk`` over :func:`~megatron_glm5.kernels.indexer_scores.tie_ordered_keys`. ``torch.topk`` alone breaks
+    ties by its own layout, so the pools chosen among equal scores would depend on how the candidates were chunked
+    (CP ranks, score chunks)."""
+    return indexer_scores.tie_ordered_keys(scores).topk(k, dim=-1).indices
 
 
 def topk_first_on_ties_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -127,6 +121,9 @@ class KPoolIndexer(MegatronModule):
     score_chunk_elements: int = 1 << 25
     # On CUDA the pool scores are one Triton kernel (megatron_glm5/kernels/indexer_scores.py); False: PyTorch ops.
     use_fused_scores: bool = True
+    # With the fused scores, the kernel also masks them and writes the selection's sort keys (indexer_topk_keys):
+    # the same selection, bitwise; off until timed on a GPU.
+    fuse_topk_keys: bool = False
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None):
@@ -232,16 +229,21 @@ class KPoolIndexer(MegatronModule):
             if hi <= lo:
                 continue
             pos = torch.arange(off + a, off + e, device=device)
-            valid = (pool_doc[None, lo:hi] == doc[a:e, None]) & (pool_end[None, lo:hi] <= pos[:, None])  # [c, p]
-            score_fn = indexer_scores.indexer_scores if fused else indexer_scores.indexer_scores_reference
-            index_scores = score_fn(q[:, a:e], pool_keys[:, lo:hi], weights[:, a:e], self.softmax_scale)  # [b,c,p]
-            index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
             k = min(max_select, hi - lo)
             # equal scores (ReLU zeros are common) go to the earlier pool, so the same pools are picked however the
             # queries are chunked or cut over CP ranks (the candidate range differs)
-            selected = topk_first_on_ties(index_scores, k)                         # [b, c, k]
-            selected_valid = valid.expand(b, -1, -1).gather(-1, selected)          # [b, c, k]
-            first = torch.take(pool_first, selected + lo).to(torch.int32)          # [b, c, k]
+            mask = (doc[a:e], off + a, pool_doc[lo:hi], pool_end[lo:hi])
+            if fused and self.fuse_topk_keys:
+                sort_keys = indexer_scores.indexer_topk_keys(q[:, a:e], pool_keys[:, lo:hi], weights[:, a:e],
+                                                             self.softmax_scale, *mask)
+            else:
+                score_fn = indexer_scores.indexer_scores if fused else indexer_scores.indexer_scores_reference
+                index_scores = score_fn(q[:, a:e], pool_keys[:, lo:hi], weights[:, a:e], self.softmax_scale)
+                sort_keys = indexer_scores.masked_topk_keys(index_scores, *mask)          # [b, c, p] int64
+            selected = sort_keys.topk(k, dim=-1).indices                                   # [b, c, k]
+            sel_pool = selected + lo
+            selected_valid = (pool_doc[sel_pool] == doc[a:e, None]) & (pool_end[sel_pool] <= pos[:, None])
+            first = torch.take(pool_first, sel_pool).to(torch.int32)                      # [b, c, k]
             tokens = torch.where(selected_valid[..., None], first[..., None] + slot, -1)   # [b, c, k, kp]
             pool_part[:, a:e, : k * kp] = tokens.flatten(-2)
 
