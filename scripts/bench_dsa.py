@@ -15,12 +15,14 @@ import sys
 
 
 
-def _time_indexer(indexer, x, psp, cfg, s: int, iters: int) -> None:
+def _time_indexer(indexer, x, psp, cfg, s: int, iters: int, tiles: str = "") -> None:
     """The layer's indexer alone (it has no backward): fused Triton pool scores, the same with the masking and sort
-    keys in the kernel (``fuse_topk_keys``; the selections compared), and the PyTorch ops."""
+    keys in the kernel (``fuse_topk_keys``; the selections compared), and the PyTorch ops; then both fused forms at
+    each scores-kernel tiling of ``tiles`` (``BMxBNxWARPS,...``)."""
     import torch
 
     from bench_train_step import cuda_time
+    from megatron_glm5.kernels.indexer_scores import INDEXER_SCORES_CONFIG
 
     q_resid = torch.randn(s, 1, cfg.q_lora_rank, device=x.device, dtype=x.dtype)
     res, picks = {}, {}
@@ -35,6 +37,20 @@ def _time_indexer(indexer, x, psp, cfg, s: int, iters: int) -> None:
     same = torch.equal(picks["fused keys"].sort(-1).values, picks["fused scores"].sort(-1).values)
     print(f"    indexer alone seq={s:6d}: " + " | ".join(f"{n} {t:8.1f} ms" for n, t in res.items())
           + f" (fused keys select the same positions: {same})")
+    default = dict(INDEXER_SCORES_CONFIG)
+    for tile in filter(None, tiles.split(",")):
+        bm, bn, nw = (int(v) for v in tile.split("x"))
+        INDEXER_SCORES_CONFIG.update(BM=bm, BN=bn, num_warps=nw)
+        line = []
+        for name, keys in (("fused scores", False), ("fused keys", True)):
+            indexer.fuse_topk_keys = keys
+            got = indexer(x.detach(), q_resid, packed_seq_params=psp)
+            ok = torch.equal(got.sort(-1).values, picks[name].sort(-1).values)
+            line.append(f"{name} {cuda_time(lambda: indexer(x.detach(), q_resid, packed_seq_params=psp), iters):8.1f}"
+                        f" ms{'' if ok else ' (OTHER SELECTION)'}")
+        print(f"    indexer alone seq={s:6d} tiles {tile:10s}: " + " | ".join(line))
+    INDEXER_SCORES_CONFIG.update(default)
+    indexer.fuse_topk_keys = type(indexer).fuse_topk_keys
 
 
 def main(argv=None) -> int:
@@ -45,6 +61,8 @@ def main(argv=None) -> int:
                    help="longest length per backend (the dense reference is quadratic)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke run)")
+    p.add_argument("--indexer-tiles", default="", help="also time the indexer's scores kernel at these tilings: "
+                   "BMxBNxWARPS,... (e.g. 32x64x8,64x32x8)")
     a = p.parse_args(argv)
 
     import torch
@@ -97,7 +115,7 @@ def main(argv=None) -> int:
                 peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else float("nan")
                 print(f"dsa backend={backend:6s} seq={s:6d}: fwd+bwd {min(times):8.1f} ms  peak {peak:6.1f} GiB")
                 if dev == "cuda" and getattr(layer, "indexer", None) is not None:
-                    _time_indexer(layer.indexer, x, psp, cfg, s, a.iters)
+                    _time_indexer(layer.indexer, x, psp, cfg, s, a.iters, a.indexer_tiles)
             except torch.OutOfMemoryError:
                 print(f"dsa backend={backend:6s} seq={s:6d}: OOM")
             x.grad = None

@@ -33,13 +33,16 @@ import torch
 
 from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "indexer_scores", "indexer_scores_reference", "indexer_topk_keys",
+__all__ = ["HAVE_TRITON", "INDEXER_SCORES_CONFIG", "indexer_scores", "indexer_scores_reference", "indexer_topk_keys",
            "indexer_topk_keys_reference", "masked_topk_keys", "tie_ordered_keys"]
 
 _MASKED = float(torch.finfo(torch.float32).min)
 """The score a masked (query, pool) pair takes before the keys are built."""
 
-_BM, _BN = 64, 64
+INDEXER_SCORES_CONFIG = dict(BM=64, BN=64, num_warps=4)
+"""Tiling: queries and pools per program, warps. (Compiled for sm_90 with Triton 3.6 in bf16 / tf32x3 at
+``D = 128``, 64 x 64 at 4 warps takes 255 registers a thread and spills 624 bytes, 1008 with ``KEYS``; 32 x 64 at
+8 warps spills none, 48 bytes with ``KEYS``: not timed yet, ``bench_dsa.py --indexer-tiles`` sweeps them.)"""
 
 
 def indexer_scores_reference(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
@@ -155,13 +158,15 @@ def _launch(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: f
         return out
     with_keys = mask_args is not None
     qdoc, first_pos, pdoc, pend = mask_args if with_keys else (out, 0, out, out)
-    grid = (triton.cdiv(c, _BM), triton.cdiv(p, _BN), b)
+    cfg = INDEXER_SCORES_CONFIG
+    grid = (triton.cdiv(c, cfg["BM"]), triton.cdiv(p, cfg["BN"]), b)
     _indexer_scores_kernel[grid](q, keys, weights, out, c, p, H, D, float(scale),
                                  q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
                                  weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
                                  qdoc, int(first_pos), pdoc, pend,
-                                 BM=_BM, BN=_BN, BD=max(16, triton.next_power_of_2(D)),
-                                 PREC="ieee" if q.dtype == torch.float32 else "tf32x3", KEYS=with_keys, num_warps=4)
+                                 BM=cfg["BM"], BN=cfg["BN"], BD=max(16, triton.next_power_of_2(D)),
+                                 PREC="ieee" if q.dtype == torch.float32 else "tf32x3", KEYS=with_keys,
+                                 num_warps=cfg["num_warps"])
     return out
 
 
