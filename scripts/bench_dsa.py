@@ -18,7 +18,7 @@ import sys
 def _time_indexer(indexer, x, psp, cfg, s: int, iters: int, tiles: str = "") -> None:
     """The layer's indexer alone (it has no backward): fused Triton pool scores, the same with the masking and sort
     keys in the kernel (``fuse_topk_keys``; the selections compared), and the PyTorch ops; then both fused forms at
-    each scores-kernel tiling of ``tiles`` (``BMxBNxWARPS,...``)."""
+    each scores-kernel tiling of ``tiles`` (``BMxBNxWARPS,...``; a trailing ``b`` adds ``bf16x3``)."""
     import torch
 
     from bench_train_step import cuda_time
@@ -39,8 +39,9 @@ def _time_indexer(indexer, x, psp, cfg, s: int, iters: int, tiles: str = "") -> 
           + f" (fused keys select the same positions: {same})")
     default = dict(INDEXER_SCORES_CONFIG)
     for tile in filter(None, tiles.split(",")):
-        bm, bn, nw = (int(v) for v in tile.split("x"))
-        INDEXER_SCORES_CONFIG.update(BM=bm, BN=bn, num_warps=nw)
+        split = tile.endswith("b")                  # a trailing b: bf16x3 products for the bf16 queries
+        bm, bn, nw = (int(v) for v in tile.rstrip("b").split("x"))
+        INDEXER_SCORES_CONFIG.update(BM=bm, BN=bn, num_warps=nw, bf16x3=split)
         line = []
         for name, keys in (("fused scores", False), ("fused keys", True)):
             indexer.fuse_topk_keys = keys
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke run)")
     p.add_argument("--indexer-tiles", default="", help="also time the indexer's scores kernel at these tilings: "
-                   "BMxBNxWARPS,... (e.g. 32x64x8,64x32x8)")
+                   "BMxBNxWARPS[b],... (b: bf16x3 products; e.g. 32x64x8,64x64x8b)")
     a = p.parse_args(argv)
 
     import torch

@@ -276,15 +276,20 @@ def test_topk_first_on_ties_matches_stable_sort(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,c,H,D,p,qdtype", [(1, 333, 32, 128, 517, torch.bfloat16), (2, 70, 3, 100, 65, torch.float32),
-                                               (1, 1, 5, 8, 1, torch.float32)])
-def test_fused_indexer_scores_match_reference_gpu(b, c, H, D, p, qdtype):
+@pytest.mark.parametrize("b,c,H,D,p,qdtype,bf16x3", [(1, 333, 32, 128, 517, torch.bfloat16, False),
+                                                      (1, 333, 32, 128, 517, torch.bfloat16, True),
+                                                      (2, 70, 3, 100, 65, torch.bfloat16, True),
+                                                      (2, 70, 3, 100, 65, torch.float32, False),
+                                                      (1, 1, 5, 8, 1, torch.float32, False)])
+def test_fused_indexer_scores_match_reference_gpu(b, c, H, D, p, qdtype, bf16x3, monkeypatch):
     """The Triton pool scores (kernels/indexer_scores.py) against the PyTorch ops on fresh random inputs with ragged
     sizes (query rows strided as the indexer slices them, D and H not powers of two, single query / pool), to 2e-6
-    of the largest score (tf32x3 products for bf16 queries, exact fp32 for fp32 ones; another summation order);
-    exact zeros where every head's ReLU is 0."""
+    of the largest score (tf32x3 or bf16x3 products for bf16 queries, exact fp32 for fp32 ones; another summation
+    order); exact zeros where every head's ReLU is 0."""
     pytest.importorskip("triton")
-    from megatron_glm5.kernels.indexer_scores import indexer_scores, indexer_scores_reference
+    from megatron_glm5.kernels.indexer_scores import INDEXER_SCORES_CONFIG, indexer_scores, indexer_scores_reference
+
+    monkeypatch.setitem(INDEXER_SCORES_CONFIG, "bf16x3", bf16x3)
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     q = torch.randn(b, c + 3, H, D, generator=g).to(qdtype).cuda()[:, 3:]

@@ -18,7 +18,9 @@ Precision follows the model: bf16 / fp16 queries use the tensor cores (``tf32x3`
 accuracy); fp32 queries (the parity runs) use exact fp32 products (``ieee``), as PyTorch's fp32 GEMM does with TF32
 off. The difference matters for the selection, not the scores: many pools score exactly 0 (every head's ReLU is 0)
 and ties go to the earlier pool, so a ``tf32x3`` rounding that lifts a score to 1e-9 picks another pool than the
-fp32 reference does.
+fp32 reference does. ``INDEXER_SCORES_CONFIG['bf16x3']`` (off until timed) runs bf16 queries, which need no split,
+against the keys cut once per program into three bf16 parts (``k = k1 + k2 + k3`` to ~2^-24): three bf16 products
+instead of three TF32 ones, each exact in the fp32 accumulator.
 
 :func:`indexer_topk_keys` runs the same kernel up to the selection's sort keys: the causal / document mask applied
 in the kernel (``valid[i, j] = pool_doc[j] == doc(i) and pool_end[j] <= pos(i)``; tiles without a valid pair skip
@@ -39,10 +41,11 @@ __all__ = ["HAVE_TRITON", "INDEXER_SCORES_CONFIG", "indexer_scores", "indexer_sc
 _MASKED = float(torch.finfo(torch.float32).min)
 """The score a masked (query, pool) pair takes before the keys are built."""
 
-INDEXER_SCORES_CONFIG = dict(BM=64, BN=64, num_warps=4)
+INDEXER_SCORES_CONFIG = dict(BM=64, BN=64, num_warps=4, bf16x3=False)
 """Tiling: queries and pools per program, warps. (Compiled for sm_90 with Triton 3.6 in bf16 / tf32x3 at
 ``D = 128``, 64 x 64 at 4 warps takes 255 registers a thread and spills 624 bytes, 1008 with ``KEYS``; 32 x 64 at
-8 warps spills none, 48 bytes with ``KEYS``: not timed yet, ``bench_dsa.py --indexer-tiles`` sweeps them.)"""
+8 warps spills none, 48 bytes with ``KEYS``: not timed yet, ``bench_dsa.py --indexer-tiles`` sweeps them.)
+``bf16x3``: bf16 queries against three bf16 parts of the keys (module docstring) instead of ``tf32x3``."""
 
 
 def indexer_scores_reference(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
@@ -112,13 +115,24 @@ if HAVE_TRITON:
         if n_valid > 0:
             keys_t = tl.load(K + b * skb + cols[None, :].to(tl.int64) * skp + d[:, None],
                              mask=dmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)   # [BD, BN]
+            if PREC == "bf16x3":                      # keys = k1 + k2 + k3, each bf16 (to ~2^-24 of the keys)
+                k1 = keys_t.to(tl.bfloat16)
+                r1 = keys_t - k1.to(tl.float32)
+                k2 = r1.to(tl.bfloat16)
+                k3 = (r1 - k2.to(tl.float32)).to(tl.bfloat16)
             q_ptr = Q + b * sqb + rows[:, None].to(tl.int64) * sqc + d[None, :]
             w_ptr = W + b * swb + rows.to(tl.int64) * swc
             qmask = rmask[:, None] & dmask[None, :]
             for h in range(0, H):
-                q = tl.load(q_ptr + h * sqh, mask=qmask, other=0.0).to(tl.float32)          # [BM, BD]
                 w = tl.load(w_ptr + h, mask=rmask, other=0.0)                                  # [BM]
-                s = tl.dot(q, keys_t, input_precision=PREC)                                   # [BM, BN]
+                if PREC == "bf16x3":
+                    qb = tl.load(q_ptr + h * sqh, mask=qmask, other=0.0)                       # [BM, BD] bf16
+                    s = tl.dot(qb, k3)                                                         # smallest part first
+                    s = tl.dot(qb, k2, s)
+                    s = tl.dot(qb, k1, s)                                                      # [BM, BN] fp32
+                else:
+                    q = tl.load(q_ptr + h * sqh, mask=qmask, other=0.0).to(tl.float32)      # [BM, BD]
+                    s = tl.dot(q, keys_t, input_precision=PREC)                               # [BM, BN]
                 acc += w[:, None] * tl.maximum(s * scale, 0.0)
         out_ptr = OUT + b * sob + rows[:, None].to(tl.int64) * soc + cols[None, :]
         if KEYS:
@@ -138,6 +152,13 @@ def _check_shapes(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) ->
     if keys.shape != (b, p, D) or weights.shape != (b, c, H):
         raise ValueError(f"indexer_scores: shapes q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
                          f"weights {tuple(weights.shape)} do not match")
+
+
+def _precision(dtype: torch.dtype, cfg: dict) -> str:
+    """The products' form for queries of ``dtype`` (module docstring)."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "bf16x3" if dtype == torch.bfloat16 and cfg.get("bf16x3") else "tf32x3"
 
 
 def _launch(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float, out: torch.Tensor,
@@ -165,7 +186,7 @@ def _launch(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: f
                                  weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
                                  qdoc, int(first_pos), pdoc, pend,
                                  BM=cfg["BM"], BN=cfg["BN"], BD=max(16, triton.next_power_of_2(D)),
-                                 PREC="ieee" if q.dtype == torch.float32 else "tf32x3", KEYS=with_keys,
+                                 PREC=_precision(q.dtype, cfg), KEYS=with_keys,
                                  num_warps=cfg["num_warps"])
     return out
 
