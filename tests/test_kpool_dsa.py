@@ -346,9 +346,12 @@ def test_fused_indexer_topk_keys_match_reference_gpu(b, c, H, D, p, qdtype, docs
 
 
 @pytest.mark.gpu
-def test_fused_indexer_keys_select_as_reference_gpu(mcore, monkeypatch):
-    """The indexer module with ``fuse_topk_keys`` (masking and sort keys in the scores kernel) selects the same
-    positions as with the PyTorch scores, on a packed row of several documents with tails, over several chunks."""
+@pytest.mark.parametrize("keys", [False, True])
+def test_fused_indexer_selects_as_reference_gpu(mcore, monkeypatch, keys):
+    """The indexer module on CUDA, fused scores (``keys``: with ``fuse_topk_keys``, the masking and sort keys in the
+    kernel, over several query chunks) vs its PyTorch scores, on a packed row of several documents with the
+    always-selected tails: the same positions for every query (the scores agree to ~1e-7; random ties would need a
+    margin below that)."""
     pytest.importorskip("triton")
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     cfg, _ = _configs(**{**MAIN, "index_topk": 16})
@@ -360,31 +363,9 @@ def test_fused_indexer_keys_select_as_reference_gpu(mcore, monkeypatch):
     x = torch.randn(s, 1, cfg.hidden_size, device="cuda")
     qr = torch.randn(s, 1, cfg.q_lora_rank, device="cuda")
     psp = make_packed_seq_params(cu.cuda())
-    monkeypatch.setattr(KPoolIndexer, "score_chunk_elements", 200 * 64)   # several query chunks
-    monkeypatch.setattr(KPoolIndexer, "fuse_topk_keys", True)
-    fused = ix(x, qr, packed_seq_params=psp)
-    monkeypatch.setattr(KPoolIndexer, "use_fused_scores", False)
-    ref = ix(x, qr, packed_seq_params=psp)
-    assert all(_sets(fused[0, i]) == _sets(ref[0, i]) for i in range(s))
-
-
-@pytest.mark.gpu
-def test_fused_indexer_selects_as_reference_gpu(mcore, monkeypatch):
-    """The indexer module on CUDA, fused scores vs its PyTorch scores, on a packed row of several documents with the
-    always-selected tails: the same positions for every query (the scores agree to ~1e-7; random ties would need a
-    margin below that)."""
-    pytest.importorskip("triton")
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-    cfg, _ = _configs(**{**MAIN, "index_topk": 16})
-    ix = KPoolIndexer(cfg)
-    _randomize_indexer(ix, antithetic=True)
-    ix = ix.cuda()
-    lens = [157, 3, 400, 91]
-    cu, _ = _doc_bounds(lens)
-    s = int(cu[-1])
-    x = torch.randn(s, 1, cfg.hidden_size, device="cuda")
-    qr = torch.randn(s, 1, cfg.q_lora_rank, device="cuda")
-    psp = make_packed_seq_params(cu.cuda())
+    if keys:
+        monkeypatch.setattr(KPoolIndexer, "score_chunk_elements", 200 * 64)   # several query chunks
+        monkeypatch.setattr(KPoolIndexer, "fuse_topk_keys", True)
     fused = ix(x, qr, packed_seq_params=psp)
     monkeypatch.setattr(KPoolIndexer, "use_fused_scores", False)
     ref = ix(x, qr, packed_seq_params=psp)
