@@ -16,7 +16,9 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttenti
 from megatron_glm5.config import Glm5Config, tiny_hf_config
 from megatron_glm5.models import kpool_dsa
 from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
-from megatron_glm5.models.kpool_indexer import KPoolIndexer, topk_first_on_ties, topk_first_on_ties_reference
+from megatron_glm5.kernels.indexer_scores import stable_topk_reference, tie_ordered_keys
+from megatron_glm5.models.kpool_indexer import KPoolIndexer
+
 from megatron_glm5.models.packing import make_packed_seq_params
 from megatron.core.transformer.spec_utils import build_module
 
@@ -255,6 +257,11 @@ def test_shared_layer_matches_hf_prev_topk(mcore, backend):
     print(f"[shared {backend}] fwd rel err {err:.2e}, worst grad rel L2 {worst:.2e}")
 
 
+def topk_first_on_ties(scores, k):
+    """The indexer's selection: ``topk`` of the tie-ordered keys."""
+    return tie_ordered_keys(scores).topk(k, dim=-1).indices
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_topk_first_on_ties_matches_stable_sort(device):
     """The indexer's pool top-k gives equal scores to the lower index, as a stable descending sort does, on fresh
@@ -269,7 +276,7 @@ def test_topk_first_on_ties_matches_stable_sort(device):
         for p, value in ((0.4, 0.0), (0.1, -0.0), (0.2, low)):
             x = torch.where(torch.rand(x.shape, generator=g) < p, torch.full_like(x, value), x)
         x = torch.where(torch.rand(x.shape, generator=g) < 0.2, x.round(), x).to(device)
-        assert torch.equal(topk_first_on_ties(x, k), topk_first_on_ties_reference(x, k))
+        assert torch.equal(topk_first_on_ties(x, k), stable_topk_reference(x, k))
         cut = int(torch.randint(1, n + 1, (1,), generator=g))   # a wider candidate range: extra masked candidates
         wider = torch.cat([x, torch.full_like(x[..., :cut], low)], dim=-1)
         assert torch.equal(topk_first_on_ties(wider, k).sort(-1).values, topk_first_on_ties(x, k).sort(-1).values)

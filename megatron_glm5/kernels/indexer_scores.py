@@ -36,7 +36,7 @@ import torch
 from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "INDEXER_SCORES_CONFIG", "indexer_scores", "indexer_scores_reference", "indexer_topk_keys",
-           "indexer_topk_keys_reference", "masked_topk_keys", "tie_ordered_keys"]
+           "indexer_topk_keys_reference", "masked_topk_keys", "stable_topk_reference", "tie_ordered_keys"]
 
 _MASKED = float(torch.finfo(torch.float32).min)
 """The score a masked (query, pool) pair takes before the keys are built."""
@@ -66,6 +66,14 @@ def tie_ordered_keys(scores: torch.Tensor) -> torch.Tensor:
     monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # signed order of the floats (not NaN)
     rank_in_ties = n - 1 - torch.arange(n, device=scores.device, dtype=torch.int64)
     return (monotonic << 32) | rank_in_ties
+
+
+def stable_topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain PyTorch reference of the order :func:`tie_ordered_keys` gives: the ``k`` first indices of a stable
+    descending sort (``tie_ordered_keys(scores).topk(k).indices`` equals it; ``torch.topk`` of the scores alone
+    breaks ties by its own layout, so the pools chosen among equal scores would depend on how the candidates were
+    chunked: CP ranks, score chunks)."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def masked_topk_keys(scores: torch.Tensor, query_doc: torch.Tensor, first_pos: int, pool_doc: torch.Tensor,

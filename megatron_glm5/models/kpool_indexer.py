@@ -76,20 +76,6 @@ def kpool_pool_layout(cu_seqlens: torch.Tensor, kpool: int) -> Tuple[torch.Tenso
     return pool_tokens, pool_doc
 
 
-def topk_first_on_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest of ``scores`` ``[..., n]`` (float32) along the last dim, equal scores going to
-    the lower index: the order a stable descending sort gives (:func:`topk_first_on_ties_reference`), at the cost of
-    one ``topk`` over :func:`~megatron_glm5.kernels.indexer_scores.tie_ordered_keys`. ``torch.topk`` alone breaks
-    ties by its own layout, so the pools chosen among equal scores would depend on how the candidates were chunked
-    (CP ranks, score chunks)."""
-    return indexer_scores.tie_ordered_keys(scores).topk(k, dim=-1).indices
-
-
-def topk_first_on_ties_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Plain PyTorch reference of :func:`topk_first_on_ties`: a stable descending sort."""
-    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-
-
 def kpool_tail_indices(cu_seqlens: torch.Tensor, seq_len: int, kpool: int) -> torch.Tensor:
     """The query's own incomplete pool, as row positions.
 
