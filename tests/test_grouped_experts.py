@@ -137,3 +137,53 @@ def test_fused_clamped_swiglu_matches_reference_gpu(limit, offset, dtype):
         err, err_ref = _rel(o, e), _rel(r, e)
         print(f"glu {dtype} limit={limit} {name}: fused {err:.1e} (torch {err_ref:.1e})")
         assert err < (2e-6 if dtype == torch.float32 else err_ref * 1.5 + 2e-3), (name, err, err_ref)
+
+
+def _expert_weights(moe, name):
+    return [getattr(e, name).weight for e in moe.experts.local_experts]
+
+
+def test_stacked_weights_alias_the_packed_storage(mcore):
+    """The experts' weights are packed back to back (also after a dtype cast), so the grouped GEMM's stacked view is
+    the parameters' own memory; its gradient reaches every expert's ``.grad`` as ``torch.stack``'s does. Weights
+    not packed (a re-homed one) give the copy, with the same numbers."""
+    from megatron_glm5.models.grouped_experts import stacked_weights
+
+    _, grp = _moe_pair()
+    for dtype in (torch.float32, torch.float64):
+        grp = grp.to(dtype)
+        for name in ("linear_fc1", "linear_fc2"):
+            ws = _expert_weights(grp, name)
+            assert ws[0].dtype == dtype
+            view = stacked_weights(ws)
+            assert view.data_ptr() == ws[0].data_ptr()
+            assert torch.equal(view, torch.stack(ws))
+            g = torch.randn_like(view)
+            (view * g).sum().backward()
+            for e, w in enumerate(ws):
+                assert torch.equal(w.grad, g[e])
+                w.grad = None
+    ws = _expert_weights(grp, "linear_fc1")
+    before = torch.stack(ws).detach().clone()
+    ws[3].data = ws[3].data.clone()  # re-homed: the stack copies again
+    view = stacked_weights(ws)
+    assert view.data_ptr() != ws[0].data_ptr() and torch.equal(view, before)
+    grp.experts.pack_expert_weights()
+    assert stacked_weights(ws).data_ptr() == ws[0].data_ptr() and torch.equal(torch.stack(ws), before)
+
+
+def test_packed_weights_load_and_save_their_own_values(mcore):
+    """Loading a state dict into packed weights keeps them packed and gives each expert its own values; the state
+    dict's tensors hold each expert's values (the packing changes no key and no number)."""
+    seq, grp = _moe_pair()
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.add_(torch.randn_like(p))
+    grp.load_state_dict(seq.state_dict())
+    ws = _expert_weights(grp, "linear_fc2")
+    assert ws[1].data_ptr() == ws[0].data_ptr() + ws[0].nbytes
+    sd_seq, sd_grp = seq.state_dict(), grp.state_dict()
+    assert list(sd_seq) == list(sd_grp)
+    for k in sd_seq:
+        if isinstance(sd_seq[k], torch.Tensor):
+            assert torch.equal(sd_seq[k], sd_grp[k]), k
