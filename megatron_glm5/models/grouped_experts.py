@@ -51,12 +51,13 @@ def _stacked_alias(weights) -> torch.Tensor | None:
 
 
 class _StackedWeights(torch.autograd.Function):
-    """``(*weights) -> [E, *w.shape]``: the alias of :func:`_stacked_alias` forward (no copy), ``grad.unbind(0)``
-    backward (views, as ``torch.stack``'s backward)."""
+    """``(*weights) -> [E, *w.shape]``: forward the alias of :func:`_stacked_alias` where there is one (no copy),
+    else ``torch.stack``'s copy; backward ``grad.unbind(0)`` (views, as ``torch.stack``'s backward)."""
 
     @staticmethod
     def forward(ctx, *weights):
-        return _stacked_alias(weights)
+        alias = _stacked_alias(weights)
+        return torch.stack(weights) if alias is None else alias
 
     @staticmethod
     def backward(ctx, grad):
@@ -69,9 +70,6 @@ def stacked_weights(weights) -> torch.Tensor:
 
     The alias is a new tensor to autograd: in-place edits of the weights between forward and backward (which no
     training step makes) are not caught by its version counter."""
-    weights = list(weights)
-    if _stacked_alias(weights) is None:
-        return torch.stack(weights)
     return _StackedWeights.apply(*weights)
 
 
