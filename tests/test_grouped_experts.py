@@ -92,6 +92,11 @@ def test_grouped_matches_sequential_gpu_bf16(mcore):
     w = torch.randn(s, 1, 256, device="cuda")
     out_s, dx_s, g_s = _run(seq, x, w)
     out_g, dx_g, g_g = _run(grp, x, w)
+    from megatron_glm5.models.grouped_experts import stacked_weights
+
+    for name in ("linear_fc1", "linear_fc2"):  # packed again after .to(cuda, bf16): the GEMMs read them in place
+        ws = _expert_weights(grp, name)
+        assert stacked_weights(ws).data_ptr() == ws[0].data_ptr(), name
     assert torch.isfinite(out_g).all() and torch.isfinite(dx_g).all()
     assert _rel(out_g, out_s) < 1e-2
     assert _rel(dx_g, dx_s) < 1e-2
