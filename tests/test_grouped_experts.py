@@ -94,9 +94,8 @@ def test_grouped_matches_sequential_gpu_bf16(mcore):
     out_g, dx_g, g_g = _run(grp, x, w)
     from megatron_glm5.models.grouped_experts import stacked_weights
 
-    for name in ("linear_fc1", "linear_fc2"):  # packed again after .to(cuda, bf16): the GEMMs read them in place
-        ws = _expert_weights(grp, name)
-        assert stacked_weights(ws).data_ptr() == ws[0].data_ptr(), name
+    for ws in grp.experts.expert_weight_sets():  # packed again after .to(cuda, bf16): the GEMMs read them in place
+        assert stacked_weights(ws).data_ptr() == ws[0].data_ptr()
     assert torch.isfinite(out_g).all() and torch.isfinite(dx_g).all()
     assert _rel(out_g, out_s) < 1e-2
     assert _rel(dx_g, dx_s) < 1e-2
@@ -144,10 +143,6 @@ def test_fused_clamped_swiglu_matches_reference_gpu(limit, offset, dtype):
         assert err < (2e-6 if dtype == torch.float32 else err_ref * 1.5 + 2e-3), (name, err, err_ref)
 
 
-def _expert_weights(moe, name):
-    return [getattr(e, name).weight for e in moe.experts.local_experts]
-
-
 def test_stacked_weights_alias_the_packed_storage(mcore):
     """The experts' weights are packed back to back (also after a dtype cast), so the grouped GEMM's stacked view is
     the parameters' own memory; its gradient reaches every expert's ``.grad`` as ``torch.stack``'s does. Weights
@@ -157,8 +152,7 @@ def test_stacked_weights_alias_the_packed_storage(mcore):
     _, grp = _moe_pair()
     for dtype in (torch.float32, torch.float64):
         grp = grp.to(dtype)
-        for name in ("linear_fc1", "linear_fc2"):
-            ws = _expert_weights(grp, name)
+        for ws in grp.experts.expert_weight_sets():
             assert ws[0].dtype == dtype
             view = stacked_weights(ws)
             assert view.data_ptr() == ws[0].data_ptr()
@@ -168,7 +162,7 @@ def test_stacked_weights_alias_the_packed_storage(mcore):
             for e, w in enumerate(ws):
                 assert torch.equal(w.grad, g[e])
                 w.grad = None
-    ws = _expert_weights(grp, "linear_fc1")
+    ws = grp.experts.expert_weight_sets()[0]
     before = torch.stack(ws).detach().clone()
     ws[3].data = ws[3].data.clone()  # re-homed: the stack copies again
     view = stacked_weights(ws)
@@ -185,7 +179,7 @@ def test_packed_weights_load_and_save_their_own_values(mcore):
         for p in seq.parameters():
             p.add_(torch.randn_like(p))
     grp.load_state_dict(seq.state_dict())
-    ws = _expert_weights(grp, "linear_fc2")
+    ws = grp.experts.expert_weight_sets()[1]
     assert ws[1].data_ptr() == ws[0].data_ptr() + ws[0].nbytes
     sd_seq, sd_grp = seq.state_dict(), grp.state_dict()
     assert list(sd_seq) == list(sd_grp)

@@ -98,7 +98,8 @@ class GroupedExperts(SequentialMLP):
         super().__init__(*args, **kwargs)
         self.pack_expert_weights()
 
-    def _expert_weight_sets(self):
+    def expert_weight_sets(self):
+        """``[fc1 weights, fc2 weights]``, each the list of the local experts' weights in expert order."""
         return [[getattr(e, name).weight for e in self.local_experts] for name in ("linear_fc1", "linear_fc2")]
 
     @torch.no_grad()
@@ -106,7 +107,7 @@ class GroupedExperts(SequentialMLP):
         """Move every local expert's fc1 (and fc2) weight into one ``[E, out, in]`` storage, expert ``e`` at slice
         ``e`` (``param.data`` reassigned: same parameters, values and keys), so :func:`stacked_weights` needs no
         copy. Weights already packed, of different shapes or dtypes, or on the meta device are left as they are."""
-        for weights in self._expert_weight_sets():
+        for weights in self.expert_weight_sets():
             w0 = weights[0]
             if (len(weights) < 2 or w0.device.type == "meta" or _stacked_alias(weights) is not None
                     or any(w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device for w in weights)):
@@ -157,7 +158,7 @@ class GroupedExperts(SequentialMLP):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         counts = torch.as_tensor(tokens_per_expert).to(device=x.device, non_blocking=True)
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        fc1_weights, fc2_weights = self._expert_weight_sets()
+        fc1_weights, fc2_weights = self.expert_weight_sets()
         w1 = stacked_weights(fc1_weights).transpose(1, 2)   # [E, h, 2F]
         w2 = stacked_weights(fc2_weights).transpose(1, 2)   # [E, F, h]
         y1 = torch._grouped_mm(x, w1.to(x.dtype), offs=offs)
