@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Pretrain or fine-tune GLM-5.3-Flash (text and image+text) on megatron-core — Megatron-LM's ``pretrain_gpt.py``
-for this model: the model provider, the batch, the loss and the forward step; everything else lives in
-``megatron_glm5.training``.
+"""Pretrain or fine-tune GLM-5.3-Flash (text and image+text) with Megatron-LM's trainer — ``pretrain_gpt.py`` for
+this model: the model provider, the datasets provider, the batch, the loss and the forward step, handed to
+``megatron.training.pretrain``. Megatron-LM's flags, with the GLM flags of
+:func:`megatron_glm5.training.arguments.add_glm5_arguments` (``--hf-config``, ``--model-preset``,
+``--dataset-type``, ``--freeze-vision``, the kernel backends).
 
     torchrun --nproc-per-node 8 pretrain_glm5_vlm.py --hf-config DIR --tensor-model-parallel-size 2 ... (GPUs, NCCL)
     python pretrain_glm5_vlm.py --model-preset glm5-tiny --mock-data ...                               (CPU, gloo)
 
-``python pretrain_glm5_vlm.py --help`` lists the flags (Megatron-LM's names); see examples/ for launchers.
+``python pretrain_glm5_vlm.py --help`` lists the flags; see examples/ for launchers.
 """
 
 from __future__ import annotations
@@ -16,24 +18,47 @@ from functools import partial
 
 import torch
 
-from megatron_glm5.training import global_vars
-from megatron_glm5.training.loop import pretrain
 
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
+                   pg_collection=None):
+    """The GLM-5.3 model of one (virtual) pipeline stage, its config from the flags."""
+    from megatron.training import get_args
 
-def model_provider(config, pre_process: bool = True, post_process: bool = True, vp_stage=None):
-    """The GLM-5.3 model of one (virtual) pipeline stage."""
     from megatron_glm5.models.builder import build_model
+    from megatron_glm5.training.arguments import model_config_from_args
 
-    return build_model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    args = get_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(model_config_from_args(args, device), pre_process=pre_process, post_process=post_process,
+                        vp_stage=vp_stage)
+    if args.freeze_vision and getattr(model, "vision_model", None) is not None:
+        model.vision_model.requires_grad_(False)
+    return model
 
 
-def train_valid_test_datasets_provider(args, config):
-    """Mock, indexed-text or packed image+text datasets, per --mock-data / --data-path / --dataset-type."""
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Mock, indexed-text or packed image+text data, per --mock-data / --data-path / --dataset-type.
+
+    Text rows (mock or indexed) are map-style datasets read through Megatron-LM's sampler; packed image+text rows
+    (one row of several documents, ``cu_seqlens``, images) are this project's loaders (``--dataloader-type
+    external``), started at the checkpoint's consumed samples."""
+    from megatron.training import get_args
+
     from megatron_glm5.data.builder import build_train_valid_test_datasets
     from megatron_glm5.data.tokenizer import build_tokenizer
+    from megatron_glm5.training.arguments import model_config_from_args
+    from megatron_glm5.training.data_loaders import external_loaders
 
+    args = get_args()
     tokenizer = build_tokenizer(args.tokenizer_model) if args.tokenizer_model else None
-    return build_train_valid_test_datasets(args, config, tokenizer)
+    config = model_config_from_args(args, "cpu")
+    datasets = build_train_valid_test_datasets(args, config, tokenizer, sizes=tuple(train_val_test_num_samples))
+    if args.dataloader_type == "external":
+        return external_loaders(datasets, args)
+    return datasets
+
+
+train_valid_test_datasets_provider.is_distributed = True  # every rank reads its own micro batches
 
 
 def get_batch(data_iterator, config) -> dict:
@@ -77,30 +102,44 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
     One CP rank (the usual case) or ``--calculate-per-token-loss``: (sum over loss tokens, their count, report);
     the schedule (or, per token, the gradient reduction) divides by the count. Under context parallelism without
-    per-token loss: (this rank's share of the row's token mean, report), so that the gradient equals one rank's."""
+    per-token loss: (this rank's share of the row's token mean, report), so that the gradient equals one rank's.
+    With ``--check-for-nan-in-loss-and-grad`` a NaN/inf loss goes to Megatron-LM's rerun state machine."""
     from megatron.core import parallel_state
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
 
     from megatron_glm5.models.context_parallel import cp_token_mean
 
-    args = global_vars.get_args()
+    args = get_args()
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
-    nan = global_vars.get_iteration() in args.inject_nan_at_iteration
+    nan = args.curr_iteration + 1 in args.inject_nan_at_iteration
     if nan:
         loss = loss * float("nan")
+    if args.check_for_nan_in_loss_and_grad:
+        machine = get_rerun_state_machine()
+        machine.validate_result(result=loss, rejection_func=torch.isnan, message="found NaN in local forward loss "
+                                "calculation", tolerance=0.0, fatal=True)
+        machine.validate_result(result=loss, rejection_func=torch.isinf, message="found Inf in local forward loss "
+                                "calculation", tolerance=0.0, fatal=True)
     report = {"lm loss": torch.stack([loss.detach().clone(), num_tokens.detach().float()])}
-    cp_group = parallel_state.get_context_parallel_group()
     if parallel_state.get_context_parallel_world_size() > 1 and not args.calculate_per_token_loss:
-        share = cp_token_mean(losses, mask, cp_group)
+        share = cp_token_mean(losses, mask, parallel_state.get_context_parallel_group())
         return (share * float("nan") if nan else share), report
     return loss, num_tokens, report
 
 
 def forward_step(data_iterator, model):
     """megatron-core's forward-step contract: (output tensor, loss function of it)."""
-    batch = get_batch(data_iterator, global_vars.get_config())
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    batch = get_batch(data_iterator, get_model_config(model))
+    timers("batch-generator").stop()
     output = model(batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
                    packed_seq_params=batch["packed_seq_params"], pixel_values=batch.get("pixel_values"),
                    image_grid_thw=batch.get("image_grid_thw"), padding_mask=batch.get("padding_mask"))
@@ -108,8 +147,10 @@ def forward_step(data_iterator, model):
 
 
 def main(argv=None) -> int:
-    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
-                    prog="pretrain_glm5_vlm.py")
+    from megatron_glm5.training.entry import run_pretrain
+
+    return run_pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
+                        prog="pretrain_glm5_vlm.py")
 
 
 if __name__ == "__main__":

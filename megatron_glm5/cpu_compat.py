@@ -239,4 +239,78 @@ def enable_cpu_compat() -> None:
     _install_cuda_type_names()
     _install_tensor_cuda_stays()
     _install_uneven_first_dim_collectives()
+    _install_megatron_training()
     _ENABLED = True
+
+
+# ---------------------------------------------------------------------------- megatron.training (Megatron-LM's trainer)
+# its modules that create tensors with a literal device="cuda" (start-time and loss all-reduces, the data-loader
+# flags broadcast, RNG / rerun state gathers of the checkpoint)
+_TRAINING_CUDA_LITERAL_MODULES = (
+    "megatron.training.training",
+    "megatron.training.checkpointing",
+    "megatron.training.utils",
+    "megatron.training.utils.common_utils",
+    "megatron.training.initialize",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.transformer.utils",
+)
+
+
+class _CpuAsOneDevice:
+    """``torch.cuda`` as seen by ``megatron.training.initialize``, which builds the model-parallel groups only when
+    it counts a device: the CPU counts as one; everything else is ``torch.cuda``'s own (redirected above)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+
+class _InitializeTorch(_CpuFactoryTorch):
+    cuda = _CpuAsOneDevice()
+
+
+def _install_megatron_training() -> None:
+    """Megatron-LM's trainer on the CPU: ``pretrain`` initialises with ``allow_no_cuda=True`` (gloo comes from
+    ``--distributed-backend``) and builds the model-parallel groups, its literal CUDA tensors are created on the
+    CPU, the warm-up of its CUDA fusion kernels is skipped, and the CUDA memory statistics it logs read 0 (no CUDA
+    memory is in use)."""
+    import importlib
+    import sys
+
+    try:
+        from megatron.training import training
+    except ImportError:  # megatron-core without megatron.training
+        return
+    from functools import partial
+
+    from megatron.training import initialize
+
+    if not getattr(training.initialize_megatron, "cpu_compat", False):
+        no_cuda = partial(initialize.initialize_megatron, allow_no_cuda=True)
+        no_cuda.cpu_compat = True
+        training.initialize_megatron = no_cuda
+    proxy = _CpuFactoryTorch(torch)
+    for name in _TRAINING_CUDA_LITERAL_MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+    initialize.torch = _InitializeTorch(torch)
+    # the warm-up of megatron's CUDA fusion kernels (bias-GeLU, bias-dropout-add) on CUDA tensors: nothing to warm
+    training.set_jit_fusion_options = lambda *a, **k: None
+    cuda = torch.cuda
+    for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, stat, lambda *a, **k: 0)
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.memory_stats = lambda *a, **k: {}

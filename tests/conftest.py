@@ -14,6 +14,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
 
 
+def _transformers_reference_on_cpu() -> None:
+    """transformers' Glm5Next runs its KDA through FLA's Triton kernels whenever ``fla`` imports (torch's registry
+    build brings Triton along), and those need a GPU. Without one, the reference is transformers' own PyTorch path:
+    its kernel wrappers keep that function as ``__wrapped__``."""
+    from transformers.models.glm5_next import modeling_glm5_next as hf
+
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        fn = getattr(hf, name, None)
+        if fn is not None and getattr(fn, "__wrapped__", None) is not None:
+            setattr(hf, name, fn.__wrapped__)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         # GPU runs on shapes FLA has not tuned yet: GLM5_FLA_TUNE_CONFIGS=N trims its autotuners (kernels/fla_tuning)
@@ -21,6 +34,7 @@ def pytest_collection_modifyitems(config, items):
 
         limit_fla_autotuning_from_env()
         return
+    _transformers_reference_on_cpu()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:

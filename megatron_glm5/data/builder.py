@@ -189,7 +189,7 @@ def _build_vqa(args, model_config, tokenizer, sizes):
     return tuple(out)
 
 
-def build_train_valid_test_datasets(args, model_config, tokenizer):
+def build_train_valid_test_datasets(args, model_config, tokenizer, sizes=None):
     """(train, valid, test) map-style datasets (each possibly None) for ``args`` (see the module docstring).
 
     ``args``: Megatron-LM attribute names ``mock_data``, ``data_path`` (list of str), ``split``, ``seq_length``,
@@ -197,14 +197,15 @@ def build_train_valid_test_datasets(args, model_config, tokenizer):
     (``gpt`` | ``vqa``, default ``gpt``); optional: ``train_samples``, ``data_cache_path``, ``eod_mask_loss``,
     ``hf_config`` (a directory; its ``preprocessor_config.json`` configures the image processor),
     ``min_image_tokens`` / ``max_image_tokens``. ``model_config``: the ``Glm5Config``. ``tokenizer``: from
-    ``build_tokenizer`` (may be None with mock data).
+    ``build_tokenizer`` (may be None with mock data). ``sizes``: the (train, valid, test) samples to provide
+    (Megatron-LM's ``train_val_test_num_samples``; default :func:`train_valid_test_num_samples`).
     """
     dataset_type = getattr(args, "dataset_type", None) or "gpt"
     if dataset_type not in DATASET_TYPES:
         raise DataError(f"--dataset-type: expected one of {', '.join(DATASET_TYPES)}, got {dataset_type!r}")
     if int(args.seq_length) <= 0:
         raise DataError(f"--seq-length must be positive, got {args.seq_length}")
-    sizes = train_valid_test_num_samples(args)
+    sizes = tuple(int(n) for n in sizes) if sizes is not None else train_valid_test_num_samples(args)
     if getattr(args, "mock_data", False):
         if dataset_type != "gpt":
             raise DataError("--mock-data makes text rows only: drop --dataset-type vqa or give --data-path")

@@ -1,0 +1,63 @@
+"""The training entry: ``run_pretrain`` hands the providers of ``pretrain_glm5_vlm.py`` to Megatron-LM's
+``megatron.training.pretrain``.
+
+Before Megatron-LM starts: megatron-core's fixes (:mod:`megatron_glm5.mcore_fixes`), on a machine without CUDA the
+CPU redirects (:mod:`megatron_glm5.cpu_compat`), this model's hooks (:mod:`megatron_glm5.training.megatron_hooks`),
+then the flags (:func:`megatron_glm5.training.arguments.parse_args`: one line and exit 2 on a bad one). A run
+stopped by too many non-finite steps in a row exits 1 with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Callable, List, Optional
+
+
+def _quiet_megatron() -> None:
+    """megatron-core's import-time and set-up warnings (no Transformer Engine, Apex, ...) are not the user's
+    business; its own logging stays at WARNING for real problems."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # data-loader workers
+    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+
+
+def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable,
+                 argv: Optional[List[str]] = None, prog: str = "pretrain_glm5_vlm.py") -> int:
+    _quiet_megatron()
+    import torch
+
+    if not torch.cuda.is_available():
+        from megatron_glm5.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+    from megatron_glm5.mcore_fixes import apply_mcore_fixes
+
+    apply_mcore_fixes()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from megatron_glm5.training import megatron_hooks
+    from megatron_glm5.training.arguments import parse_args
+
+    megatron_hooks.install()
+    if "RANK" not in os.environ:  # plain `python pretrain_glm5_vlm.py`: a world of one process
+        from megatron_glm5.initialize import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+    args = parse_args(argv, prog)
+    from megatron.training.utils import print_rank_0
+
+    print_rank_0(megatron_hooks.describe())
+    cfg = pretrain_cfg_container_from_args(args)
+    try:
+        pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    except megatron_hooks.TrainingStopped as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -1,0 +1,113 @@
+"""What this model adds to Megatron-LM's trainer, in one place: each hook is installed by the training entry
+(:func:`install`), listed by :func:`describe`, and printed at start-up.
+
+* **Non-finite steps skipped and counted.** megatron-core's ``ChainedOptimizer.step`` applies an update whatever its
+  gradient norm (its ``grad_norm_skip_threshold`` compares ``norm > threshold``, false for NaN). The optimizer the
+  trainer builds gets a step that leaves parameters, optimizer state and learning-rate schedule untouched when the
+  gradient norm is NaN/inf (``update_successful`` False: Megatron-LM counts it in ``number of skipped iterations``),
+  and ends the run (:class:`TrainingStopped`, exit 1) after ``--max-consecutive-skipped-iterations`` in a row.
+* **fp32 islands under bf16** get param groups of their own (``ParamKey(attr='keep_fp32')``), so that fp32 master
+  weights pair with the right parameters.
+* **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback.
+* **The dataset helpers are not rebuilt.** ``initialize_megatron`` runs ``make`` in megatron-core's ``datasets``
+  folder to build its C++ index helpers; the released wheel ships them built (``helpers_cpp``) and no Makefile, so
+  the ``make`` fails and the run exits. The build is skipped when ``helpers_cpp`` imports.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+
+_INSTALLED: List[str] = []
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (too many skipped iterations in a row); the message names the iteration."""
+
+
+def _skip_nonfinite_steps(optimizer, max_consecutive: int):
+    """Make ``optimizer`` (megatron-core's ``ChainedOptimizer``) skip the update of a step whose gradient norm is
+    NaN/inf. ``ChainedOptimizer.step`` computes the norm with ``get_grad_norm`` and then calls
+    ``step_with_ready_grads``; the norm is recorded on the way and the update refused when it is not finite."""
+    get_grad_norm, step_with_ready_grads = optimizer.get_grad_norm, optimizer.step_with_ready_grads
+    state = {"norm": None, "in_a_row": 0}
+
+    def recorded_grad_norm():
+        state["norm"] = get_grad_norm()
+        return state["norm"]
+
+    def checked_step_with_ready_grads():
+        norm = state["norm"]
+        if norm is not None and not math.isfinite(float(norm)):
+            state["in_a_row"] += 1
+            from megatron.training import get_args
+            from megatron.training.utils import print_rank_0
+
+            iteration = get_args().curr_iteration + 1
+            print_rank_0(f"iteration {iteration}: gradient norm {float(norm)}: update skipped "
+                         f"({state['in_a_row']} in a row)")
+            if state["in_a_row"] >= max_consecutive:
+                raise TrainingStopped(f"stopped at iteration {iteration}: {state['in_a_row']} iterations in a row "
+                                      f"had a NaN/inf loss or gradient norm (--max-consecutive-skipped-iterations "
+                                      f"{max_consecutive})")
+            return False
+        state["in_a_row"] = 0
+        return step_with_ready_grads()
+
+    optimizer.get_grad_norm = recorded_grad_norm
+    optimizer.step_with_ready_grads = checked_step_with_ready_grads
+    return optimizer
+
+
+def _glm5_get_megatron_optimizer(upstream):
+    def get_megatron_optimizer(config, model_chunks, config_overrides=None, **kwargs):
+        from megatron.core.optimizer.optimizer_config import ParamKey
+        from megatron.training import get_args
+
+        from megatron_glm5.training.optimizer import use_torch_fused_adam
+
+        args = get_args()
+        if config.bf16:
+            config_overrides = dict(config_overrides or {})
+            config_overrides[ParamKey(attr="keep_fp32")] = {"fp32_island": True}
+        optimizer = upstream(config, model_chunks, config_overrides=config_overrides, **kwargs)
+        if args.torch_fused_adam:
+            from megatron.training.utils import print_rank_0
+
+            print_rank_0(f"--torch-fused-adam: {use_torch_fused_adam(optimizer)} param groups run torch's fused Adam")
+        return _skip_nonfinite_steps(optimizer, args.max_consecutive_skipped_iterations)
+
+    get_megatron_optimizer.glm5_hook = True
+    return get_megatron_optimizer
+
+
+def _compile_helpers_unless_shipped(upstream):
+    def compile_helpers():
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            upstream()
+
+    compile_helpers.glm5_hook = True
+    return compile_helpers
+
+
+def install() -> None:
+    """Install the hooks into ``megatron.training`` (idempotent)."""
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import training
+
+    if not getattr(dataset_utils.compile_helpers, "glm5_hook", False):
+        dataset_utils.compile_helpers = _compile_helpers_unless_shipped(dataset_utils.compile_helpers)
+        _INSTALLED.append("dataset helpers: the wheel's prebuilt helpers_cpp, not rebuilt with make")
+    if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
+        training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
+        _INSTALLED.append("optimizer: non-finite steps skipped and counted; fp32 islands in their own param groups "
+                          "under bf16; --torch-fused-adam")
+
+
+def describe() -> str:
+    return "megatron_glm5 hooks into megatron.training: " + ("; ".join(_INSTALLED) or "none")
