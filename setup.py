@@ -5,10 +5,10 @@ setup(
     version="0.1.0",
     description="GLM-5.3-Flash (Glm5NextForConditionalGeneration) training on megatron-core: TP/SP, PP/VPP, EP, CP, DP",
     packages=find_packages(include=["megatron_glm5", "megatron_glm5.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     install_requires=[
         "torch==2.13.0",
-        "megatron-core==0.16.1",
+        "megatron-core==0.19.2",
         "transformers==5.23.0",
         "safetensors",
         "tokenizers",
@@ -20,7 +20,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "flash-linear-attention==0.6.0", "fla-core==0.6.0"],
+        "test": ["pytest", "ruff==0.17.6", "flash-linear-attention==0.6.0", "fla-core==0.6.0"],
         "gpu": ["flash-linear-attention==0.6.0", "fla-core==0.6.0", "triton"],
     },
 )

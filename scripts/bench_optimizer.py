@@ -5,8 +5,8 @@ and with ``--torch-fused-adam`` (torch's fused kernel).
 
     python scripts/bench_optimizer.py [--params 2e9] [--tensors 96] [--iters 5]
 
-Built through the training package's own ``get_model`` / ``get_optimizer`` (DDP with a contiguous grad buffer,
-megatron's ``DistributedOptimizer``) on a stand-in model: ``--tensors`` bf16 matrices holding ``--params`` values in
+Built as Megatron-LM's trainer builds them (megatron-core's DDP with a contiguous grad buffer, its
+``DistributedOptimizer`` from ``get_megatron_optimizer``) on a stand-in model: ``--tensors`` bf16 matrices holding ``--params`` values in
 all. The gradients are random (written into DDP's grad buffer); every timed step applies them. Prints the median
 step time of each form and the fp32 master-weight traffic it implies (Adam reads and writes the weight and both
 moments and reads the gradient: 28 bytes a parameter), then the largest difference between the two forms' updated
@@ -21,7 +21,6 @@ import math
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,6 +66,25 @@ def _timed_steps(optimizer, model, iters: int, dev: str, seed: int) -> float:
     return times[len(times) // 2]
 
 
+def _model_and_optimizer(module, config, fused: bool):
+    """megatron-core DDP (contiguous fp32 grad buffer) around the bf16 ``module`` and its distributed Adam."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_glm5.training.optimizer import use_torch_fused_adam
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, module))]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+                        adam_eps=1e-8, clip_grad=1.0, bf16=True, params_dtype=module.weights[0].dtype,
+                        use_distributed_optimizer=True), model)
+    if fused:
+        use_torch_fused_adam(optimizer)
+    return model, optimizer
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float, default=2e9, help="parameters in all (CPU: at most 2e6)")
@@ -78,7 +96,6 @@ def main(argv=None) -> int:
     from megatron.core.transformer import TransformerConfig
 
     from megatron_glm5.initialize import initialize_megatron
-    from megatron_glm5.training.model_setup import get_model, get_optimizer
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     numel = int(a.params if dev == "cuda" else min(a.params, 2e6))
@@ -88,12 +105,7 @@ def main(argv=None) -> int:
     results, weights = {}, {}
     for name, fused in (("foreach (torch default)", False), ("fused (--torch-fused-adam)", True)):
         torch.manual_seed(0)
-        args = SimpleNamespace(freeze_vision=False, overlap_grad_reduce=False, overlap_param_gather=False,
-                               use_distributed_optimizer=True, optimizer="adam", lr=1e-4, min_lr=0.0,
-                               weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, sgd_momentum=0.9,
-                               clip_grad=1.0, torch_fused_adam=fused)
-        model = get_model(lambda **_: _stand_in_model(config, numel, a.tensors), config, args)
-        optimizer = get_optimizer(model, config, args)
+        model, optimizer = _model_and_optimizer(_stand_in_model(config, numel, a.tensors).to(dev), config, fused)
         n = sum(p.numel() for p in model[0].parameters())
         t = _timed_steps(optimizer, model, a.iters, dev, seed=1)
         results[name] = t

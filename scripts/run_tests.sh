@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Install megatron_glm5 with its pinned dependencies (CPU torch), lint with ruff (ruff.toml; the same check as the
-# pre-commit hook) and run the test suite.
+# Install megatron_glm5 with its pinned dependencies into a Python >= 3.12 virtual environment
+# (scripts/python_env.sh), lint with ruff (ruff.toml; the same check as the pre-commit hook) and run the test suite.
 # Usage: bash scripts/run_tests.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e ".[test]"
-python3 -m pip install -q ruff==0.17.6
-python3 -m ruff check .
-python3 -m pytest -q -m "not slow" "$@"
+MEGATRON_GLM5_EXTRAS=test
+source scripts/python_env.sh
+"$PY" -m ruff check .
+"$PY" -m pytest -q -m "not slow" "$@"

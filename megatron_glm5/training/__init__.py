@@ -1,4 +1,4 @@
-"""A small training package on megatron-core's public parts (Megatron-LM's ``megatron/training`` in small):
-``arguments`` (Megatron-LM flag names), ``model_setup`` (model chunks, DDP, optimizer, scheduler), ``loop``
-(pretrain / train / train_step / evaluate), ``checkpointing`` (atomic dist checkpoints, exact resume), ``logger``
-(TensorBoard + console)."""
+"""What ``pretrain_glm5_vlm.py`` adds to Megatron-LM's trainer (``megatron.training``): ``entry`` (hands the
+providers to ``megatron.training.pretrain``), ``arguments`` (the GLM flags and the architecture's defaults for
+Megatron-LM's parser), ``megatron_hooks`` (this model's additions to the trainer, installed in one place),
+``optimizer`` (torch fused Adam, SGD state), ``data_loaders`` (the packed image+text loaders)."""

@@ -11,8 +11,7 @@ def use_torch_fused_adam(optimizer) -> int:
     Apex) to torch's fused kernel (``fused=True``: one pass over parameters, gradients and moments per step; torch
     defaults to its foreach form, a pass per operation). The group flag is what ``step`` reads; a group switched
     before its first step gets its ``step`` counters on the parameters' device, as fused Adam needs, and checkpoint
-    loads keep them there (torch's ``load_state_dict`` for fused groups, :func:`~megatron_glm5.training.
-    checkpointing._set_optimizer_step`). Groups of parameters on more than one device, or on a device without the
+    loads keep them there (torch's ``load_state_dict`` for fused groups). Groups of parameters on more than one device, or on a device without the
     fused kernel, are left alone. Returns the number of groups switched."""
     switched = 0
     for part in optimizer_parts(optimizer):
