@@ -26,11 +26,13 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
     from megatron_glm5.models.builder import build_model
     from megatron_glm5.training.arguments import model_config_from_args
+    from megatron_glm5.training.moe_load_logging import finalize_grads_and_log_expert_loads
 
     args = get_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(model_config_from_args(args, device), pre_process=pre_process, post_process=post_process,
-                        vp_stage=vp_stage)
+    config = model_config_from_args(args, device)
+    config.finalize_model_grads_func = finalize_grads_and_log_expert_loads  # Megatron-LM keeps a func already set
+    model = build_model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     if args.freeze_vision and getattr(model, "vision_model", None) is not None:
         model.vision_model.requires_grad_(False)
     return model
@@ -48,11 +50,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     from megatron_glm5.data.tokenizer import build_tokenizer
     from megatron_glm5.training.arguments import model_config_from_args
     from megatron_glm5.training.data_loaders import external_loaders
+    from megatron_glm5.training.moe_load_logging import PACKING_EFFICIENCY
 
     args = get_args()
     tokenizer = build_tokenizer(args.tokenizer_model) if args.tokenizer_model else None
     config = model_config_from_args(args, "cpu")
     datasets = build_train_valid_test_datasets(args, config, tokenizer, sizes=tuple(train_val_test_num_samples))
+    PACKING_EFFICIENCY[0] = getattr(datasets[0], "packing_efficiency", None)
     if args.dataloader_type == "external":
         return external_loaders(datasets, args)
     return datasets

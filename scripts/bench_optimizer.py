@@ -6,12 +6,12 @@ and with ``--torch-fused-adam`` (torch's fused kernel).
     python scripts/bench_optimizer.py [--params 2e9] [--tensors 96] [--iters 5]
 
 Built as Megatron-LM's trainer builds them (megatron-core's DDP with a contiguous grad buffer, its
-``DistributedOptimizer`` from ``get_megatron_optimizer``) on a stand-in model: ``--tensors`` bf16 matrices holding ``--params`` values in
-all. The gradients are random (written into DDP's grad buffer); every timed step applies them. Prints the median
-step time of each form and the fp32 master-weight traffic it implies (Adam reads and writes the weight and both
-moments and reads the gradient: 28 bytes a parameter), then the largest difference between the two forms' updated
-weights after the same steps (fp32 rounding: the same update in another order of operations). On a machine without
-CUDA it runs a small size on the CPU (a smoke run of the script).
+``DistributedOptimizer`` from ``get_megatron_optimizer``) on a stand-in model: ``--tensors`` bf16 matrices holding
+``--params`` values in all. The gradients are random (written into DDP's grad buffer); every timed step applies them.
+Prints the median step time of each form and the fp32 master-weight traffic it implies (Adam reads and writes the
+weight and both moments and reads the gradient: 28 bytes a parameter), then the largest difference between the two
+forms' updated weights after the same steps (fp32 rounding: the same update in another order of operations). On a
+machine without CUDA it runs a small size on the CPU (a smoke run of the script).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
   and ends the run (:class:`TrainingStopped`, exit 1) after ``--max-consecutive-skipped-iterations`` in a row.
 * **fp32 islands under bf16** get param groups of their own (``ParamKey(attr='keep_fp32')``), so that fp32 master
   weights pair with the right parameters.
-* **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback.
+* **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
+  layout (megatron-core has none), so that its checkpoints load.
 * **The dataset helpers are not rebuilt.** ``initialize_megatron`` runs ``make`` in megatron-core's ``datasets``
   folder to build its C++ index helpers; the released wheel ships them built (``helpers_cpp``) and no Makefile, so
   the ``make`` fails and the run exits. The build is skipped when ``helpers_cpp`` imports.
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import math
 from typing import List
-
-import torch
 
 _INSTALLED: List[str] = []
 
@@ -67,13 +66,16 @@ def _glm5_get_megatron_optimizer(upstream):
         from megatron.core.optimizer.optimizer_config import ParamKey
         from megatron.training import get_args
 
-        from megatron_glm5.training.optimizer import use_torch_fused_adam
+        from megatron_glm5.training.optimizer import optimizer_parts, sgd_init_state, use_torch_fused_adam
 
         args = get_args()
         if config.bf16:
             config_overrides = dict(config_overrides or {})
             config_overrides[ParamKey(attr="keep_fp32")] = {"fp32_island": True}
         optimizer = upstream(config, model_chunks, config_overrides=config_overrides, **kwargs)
+        for part in optimizer_parts(optimizer):
+            if config.optimizer == "sgd" and getattr(part, "init_state_fn", None) is None:
+                part.init_state_fn = sgd_init_state  # megatron-core has none for SGD: its checkpoints could not load
         if args.torch_fused_adam:
             from megatron.training.utils import print_rank_0
 

@@ -11,8 +11,8 @@ def use_torch_fused_adam(optimizer) -> int:
     Apex) to torch's fused kernel (``fused=True``: one pass over parameters, gradients and moments per step; torch
     defaults to its foreach form, a pass per operation). The group flag is what ``step`` reads; a group switched
     before its first step gets its ``step`` counters on the parameters' device, as fused Adam needs, and checkpoint
-    loads keep them there (torch's ``load_state_dict`` for fused groups). Groups of parameters on more than one device, or on a device without the
-    fused kernel, are left alone. Returns the number of groups switched."""
+    loads keep them there (torch's ``load_state_dict`` for fused groups). Groups of parameters on more than one
+    device, or on a device without the fused kernel, are left alone. Returns the number of groups switched."""
     switched = 0
     for part in optimizer_parts(optimizer):
         inner = getattr(part, "optimizer", None)
@@ -35,7 +35,7 @@ def optimizer_parts(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def _sgd_init_state(opt: torch.optim.SGD, config=None) -> None:
+def sgd_init_state(opt: torch.optim.SGD, config=None) -> None:
     """Lay out torch SGD's state (a momentum buffer per parameter, when momentum is on) so that a checkpoint can be
     loaded into it, as megatron-core's ``init_state_fn`` does for Adam."""
     for group in opt.param_groups:
