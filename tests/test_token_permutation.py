@@ -38,7 +38,8 @@ def test_matches_megatron_core(T, E, k, dtype):
     for fn in (moe_utils.permute, token_permutation.permute):
         xi = x.clone().requires_grad_(True)
         pi = probs.clone().requires_grad_(True)
-        permuted, permuted_probs, idx = fn(xi, routing, probs=pi, num_out_tokens=T * k)
+        permuted, permuted_probs, idx, pad_offsets, _ = fn(xi, routing, probs=pi, num_out_tokens=T * k)
+        assert pad_offsets is None
         (permuted.float() * grad.float()).sum().add_((permuted_probs * torch.arange(len(idx))).sum()).backward()
         outs.append((permuted.detach(), permuted_probs.detach(), idx, xi.grad, pi.grad))
     (ref_p, ref_pp, ref_i, ref_gx, ref_gp), (p, pp, i, gx, gp) = outs
@@ -53,17 +54,20 @@ def test_matches_megatron_core(T, E, k, dtype):
 
 def test_ragged_routing():
     """Tokens with fewer than k experts: with ``num_out_tokens = T * k`` (Transformer Engine's contract: exactly k
-    each) the call stops with one line instead of returning rows that do not exist; without it upstream runs and the
-    results are upstream's, including the token routed nowhere."""
+    each) the call stops with one line instead of returning rows that do not exist; with the routed count (not a
+    multiple of the tokens) upstream runs and the results are upstream's, including the token routed nowhere."""
     T, E, k = 40, 10, 4
     routing, probs = _routing(T, E, k, seed=3, ragged=True)
     x = torch.randn(T, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="fewer than 4 experts"):
         token_permutation.permute(x, routing, probs=probs, num_out_tokens=T * k)
-    ours = token_permutation.permute(x, routing, probs=probs)
-    ref = moe_utils.permute(x, routing, probs=probs)
+    routed = int(routing.sum())
+    assert routed % T
+    ours = token_permutation.permute(x, routing, probs=probs, num_out_tokens=routed)
+    ref = moe_utils.permute(x, routing, probs=probs, num_out_tokens=routed)
+    assert len(ours) == len(ref) == 5
     for a, b in zip(ours, ref):
-        assert torch.equal(a, b)
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_no_grad_and_no_probs():
@@ -72,14 +76,14 @@ def test_no_grad_and_no_probs():
     routing, _ = _routing(T, E, k, seed=11)
     x = torch.randn(T, 5)
     with torch.no_grad():
-        p, pp, i = token_permutation.permute(x, routing, num_out_tokens=T * k)
-    rp, rpp, ri = moe_utils.permute(x, routing, num_out_tokens=T * k)
+        p, pp, i, _, _ = token_permutation.permute(x, routing, num_out_tokens=T * k)
+    rp, rpp, ri, _, _ = moe_utils.permute(x, routing, num_out_tokens=T * k)
     assert pp is None and rpp is None and torch.equal(p, rp) and torch.equal(i, ri)
 
 
 def test_copy_positions_point_at_each_copy():
     routing, _ = _routing(41, 9, 4, seed=7, ragged=True)
-    _, _, idx = moe_utils.permute(torch.zeros(41, 1), routing)
+    _, _, idx, _, _ = moe_utils.permute(torch.zeros(41, 1), routing, num_out_tokens=int(routing.sum()))
     pos, valid, experts = token_permutation.copy_positions(routing, 4)
     assert pos.shape == valid.shape == experts.shape == (41, 4)
     assert routing.gather(1, experts)[valid].all()
@@ -89,10 +93,10 @@ def test_copy_positions_point_at_each_copy():
 
 
 def test_other_calls_fall_back_to_megatron_core():
-    """No num_out_tokens / a tensor count: upstream's function (same results)."""
+    """A tensor count / a drop-and-pad capacity: upstream's function (same results)."""
     routing, probs = _routing(20, 6, 2, seed=3)
     x = torch.randn(20, 8)
-    for kw in ({}, {"num_out_tokens": torch.tensor(40)}):
+    for kw in ({"num_out_tokens": torch.tensor(40)}, {"num_out_tokens": 48, "drop_and_pad": True}):
         a = token_permutation.permute(x, routing, **kw)
         b = moe_utils.permute(x, routing, **kw)
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
@@ -110,7 +114,7 @@ def test_matches_megatron_core_gpu():
     res = []
     for fn in (moe_utils.permute, token_permutation.permute):
         xi = x.clone().requires_grad_(True)
-        permuted, _, idx = fn(xi, routing, probs=probs, num_out_tokens=T * k)
+        permuted, _, idx, _, _ = fn(xi, routing, probs=probs, num_out_tokens=T * k)
         permuted.backward(grad)
         res.append((permuted.detach(), idx, xi.grad.double()))
     exact = torch.zeros(T, h, dtype=torch.float64, device="cuda").index_add_(0, res[0][1], grad.double())
@@ -126,7 +130,7 @@ def test_unpermute_matches_megatron_core(T, E, k, h, monkeypatch):
     routing, _ = _routing(T, E, k, seed=100 * T + E + k)
     gen = torch.Generator().manual_seed(h)
     x = torch.randn(T, h, generator=gen)
-    _, _, idx = token_permutation.permute(x, routing, num_out_tokens=T * k)
+    _, _, idx, _, _ = token_permutation.permute(x, routing, num_out_tokens=T * k)
     assert idx.copy_positions.shape == (T, k)
     y = torch.randn(T * k, h, generator=gen)
     w = torch.randn(T, h, generator=gen)
@@ -153,7 +157,7 @@ def test_unpermute_bf16_rounds_once():
     """bf16: one rounding of the fp32 sum, at least as close to the exact sum as upstream's bf16 scatter_add_."""
     T, E, k, h = 50, 12, 4, 40
     routing, _ = _routing(T, E, k, seed=5)
-    _, _, idx = token_permutation.permute(torch.zeros(T, 1), routing, num_out_tokens=T * k)
+    _, _, idx, _, _ = token_permutation.permute(torch.zeros(T, 1), routing, num_out_tokens=T * k)
     y = torch.randn(T * k, h, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     exact = torch.zeros(T, h, dtype=torch.float64).index_add_(0, idx, y.double())
     ours = token_permutation.unpermute(y, idx, torch.Size([T, h]))
@@ -168,8 +172,8 @@ def test_unpermute_other_calls_fall_back_to_megatron_core(monkeypatch):
     T, E, k, h = 20, 6, 2, 8
     routing, probs = _routing(T, E, k, seed=3)
     x = torch.randn(T, h)
-    _, _, idx = token_permutation.permute(x, routing, num_out_tokens=T * k)
-    _, _, plain_idx = moe_utils.permute(x, routing, num_out_tokens=T * k)
+    _, _, idx, _, _ = token_permutation.permute(x, routing, num_out_tokens=T * k)
+    _, _, plain_idx, _, _ = moe_utils.permute(x, routing, num_out_tokens=T * k)
     assert not hasattr(plain_idx, "copy_positions") and torch.equal(idx, plain_idx)
     y = torch.randn(T * k, h)
     calls = []
@@ -241,7 +245,7 @@ def test_unpermute_matches_megatron_core_gpu():
     T, E, k, h = 4096, 16, 8, 1024
     routing, _ = _routing(T, E, k, seed=12)
     routing = routing.cuda()
-    _, _, idx = token_permutation.permute(torch.zeros(T, 1, device="cuda"), routing, num_out_tokens=T * k)
+    _, _, idx, _, _ = token_permutation.permute(torch.zeros(T, 1, device="cuda"), routing, num_out_tokens=T * k)
     y = torch.randn(T * k, h, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
     res = []

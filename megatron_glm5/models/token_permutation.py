@@ -1,22 +1,22 @@
-"""MoE token permutation without host syncs, whose backward gathers each token's copies instead of scattering them.
+"""MoE token permutation whose backward gathers each token's copies instead of scattering them.
 
 megatron-core's ``moe_utils.permute`` (the path without Transformer Engine) builds ``sorted_indices`` (expert-major:
-for each expert, its tokens in order) with ``masked_select`` -- a data-dependent size, so a device-to-host sync per
-call (two per MoE layer with the probs) -- and returns ``tokens.index_select(0, sorted_indices)``, whose backward is
-an ``index_add_`` of ``[T * k, h]`` rows into ``[T, h]``: atomics, with one rounding per copy in bf16, in an order that
-differs run to run.
+for each expert, its tokens in order) with a stable ``argsort`` of the ``[E * T]`` routing map and returns
+``tokens.index_select(0, sorted_indices)``, whose backward is an ``index_add_`` of ``[T * k, h]`` rows into
+``[T, h]``: atomics, with one rounding per copy in bf16, in an order that differs run to run.
 
-:func:`permute` gives the same results without a sync: when the caller passes ``num_out_tokens = T * k`` (the
+:func:`permute` gives the same results without the sort: when the caller passes ``num_out_tokens = T * k`` (the
 all-to-all dispatcher without capacity or padding), every token has exactly ``k`` experts -- the contract of
 Transformer Engine's fused permute for that argument, checked here on the device (``torch._assert_async``; on the
-CPU it raises) -- so the output size is known, and each copy's row is an exclusive prefix count in expert-major
-order (:func:`copy_positions`); one scatter of ``t * E + e`` into those rows gives ``sorted_indices`` and the probs'
-gather index. The backward sums each token's ``k`` copies with :func:`~megatron_glm5.kernels.gather_sum.gather_sum`
-(a gather and an fp32 sum per row; Triton on CUDA), so it writes every row once, in a fixed order, and rounds once.
+CPU it raises) -- so each copy's row is an exclusive prefix count in expert-major order (:func:`copy_positions`);
+one scatter of ``t * E + e`` into those rows gives ``sorted_indices`` and the probs' gather index. The backward sums
+each token's ``k`` copies with :func:`~megatron_glm5.kernels.gather_sum.gather_sum` (a gather and an fp32 sum per
+row; Triton on CUDA), so it writes every row once, in a fixed order, and rounds once.
 
 Shapes: ``tokens [T, h]``, ``routing_map [T, E]`` bool, ``probs [T, E]``; outputs ``permuted [T * k, h]``,
-``permuted_probs [T * k]``, ``sorted_indices [T * k]`` (token of each row), exactly as upstream. Other calls (no
-``num_out_tokens``, capacity, padding, ``fused``) run upstream's function.
+``permuted_probs [T * k]``, ``sorted_indices [T * k]`` (token of each row), ``None`` (no padding offsets) and the
+``tokens_per_expert`` passed in, exactly as upstream. Other calls (no ``num_out_tokens``, capacity, padding,
+``fused``) run upstream's function.
 
 The way back, ``moe_utils.unpermute``, is the same scatter-add in the other direction (``zeros`` + ``scatter_add_``
 of ``[T * k, h]`` rows into ``[T, h]``). :func:`permute` attaches each token's rows to the ``sorted_indices`` it
@@ -24,7 +24,8 @@ returns, as the attribute ``sorted_indices.copy_positions`` (``[T, k]`` int64; t
 back to ``unpermute``), and :func:`unpermute` then computes ``out[t] = sum_j permuted[positions[t, j]]`` with the
 same ``gather_sum`` (backward: ``grad[sorted_indices]`` with its ``k = 1`` case,
 :func:`~megatron_glm5.kernels.gather_sum.gather_rows`, which is also the permute's own gather). Calls with ``probs``,
-``drop_and_pad``, ``fused`` or ``sorted_indices`` from elsewhere (no attribute) run upstream's function.
+``drop_and_pad``, ``fused``, ``pad_offsets`` or ``sorted_indices`` from elsewhere (no attribute) run upstream's
+function.
 
 On one expert-and-tensor-parallel rank (``ep * tp == 1``, dropless) the all-to-all dispatcher has two more costs
 that buy nothing there: it copies the per-expert token counts to the host and waits for them (a sync per MoE layer,
@@ -100,13 +101,15 @@ class _ScatterTokens(torch.autograd.Function):
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
-            num_out_tokens: Optional[int] = None, fused: bool = False, drop_and_pad: bool = False):
+            num_out_tokens: Optional[int] = None, fused: bool = False, drop_and_pad: bool = False,
+            tokens_per_expert: Optional[torch.Tensor] = None, align_size: int = 0):
     """Drop-in for ``moe_utils.permute`` (same arguments and results; see the module docstring)."""
     num_tokens, num_experts = routing_map.shape
     k = num_out_tokens // num_tokens if isinstance(num_out_tokens, int) and num_tokens else 0
     if fused or drop_and_pad or not k or k * num_tokens != num_out_tokens or k > num_experts:
         return _upstream_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
-                                 drop_and_pad=drop_and_pad)
+                                 drop_and_pad=drop_and_pad, tokens_per_expert=tokens_per_expert,
+                                 align_size=align_size)
     positions, valid, slots = copy_positions(routing_map.bool(), k)
     torch._assert_async(valid.all(), f"MoE permute: num_out_tokens = {k} x tokens, but a token has fewer than {k} "
                                      "experts in the routing map")
@@ -120,20 +123,22 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
     else:
         permuted = gather_rows(tokens, sorted_indices)
     sorted_indices.copy_positions = positions      # for unpermute
-    return permuted, permuted_probs, sorted_indices
+    return permuted, permuted_probs, sorted_indices, None, tokens_per_expert
 
 
 def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
               probs: Optional[torch.Tensor] = None, routing_map: Optional[torch.Tensor] = None, fused: bool = False,
-              drop_and_pad: bool = False) -> torch.Tensor:
+              drop_and_pad: bool = False, pad_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Drop-in for ``moe_utils.unpermute``: a gather-and-sum when ``sorted_indices`` came from :func:`permute` and
     no ``probs`` / ``fused`` / ``drop_and_pad`` (see the module docstring); upstream's function otherwise."""
     positions = getattr(sorted_indices, "copy_positions", None)
-    if (fused or drop_and_pad or probs is not None or positions is None or permuted_tokens.dim() != 2
+    if (fused or drop_and_pad or probs is not None or pad_offsets is not None or positions is None
+            or permuted_tokens.dim() != 2
             or permuted_tokens.shape[0] != positions.numel() or tuple(restore_shape) != (positions.shape[0],
                                                                                          permuted_tokens.shape[1])):
         return _upstream_unpermute(permuted_tokens, sorted_indices, restore_shape, probs=probs,
-                                   routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad)
+                                   routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad,
+                                   pad_offsets=pad_offsets)
     if torch.is_grad_enabled() and permuted_tokens.requires_grad:
         return _ScatterTokens.apply(permuted_tokens, sorted_indices, positions)
     return gather_sum(permuted_tokens, positions)
