@@ -230,7 +230,7 @@ def _layout_worker(rank, world, port, hf_dir, ckpt, ref_path):
             if tp > 1:
                 assert n_split > 20, n_split
             if ep > 1:  # this rank holds the global experts 4r..4r+3 of every MoE layer
-                for prefix in ("decoder.layers.1.", "mtp.layers.0.transformer_layer."):
+                for prefix in ("decoder.layers.1.", "mtp.layers.0.mtp_model_layer."):
                     assert f"{prefix}mlp.experts.local_experts.{4 * rank + 3}.linear_fc2.weight" in names
                     assert f"{prefix}mlp.experts.local_experts.{4 * (1 - rank)}.linear_fc2.weight" not in names
             if pp > 1:  # stage r holds the global layers 2r, 2r+1

@@ -13,7 +13,7 @@ def test_inverse_undoes_forward_for_every_tensor(mcore):
     model = build_meta_model(tiny_hf_config(mtp=True), torch.bfloat16)
     n, mtp = model.config.num_layers, model.config.mtp_num_layers
     names = [canonical_name(k, model) for k in model.state_dict(keep_vars=True) if not is_non_persistent(k)]
-    assert any(x.startswith("mtp.layers.0.transformer_layer.mlp.experts.") for x in names)
+    assert any(x.startswith("mtp.layers.0.mtp_model_layer.mlp.experts.") for x in names)
     seen = set()
     for name in names:
         hf = mcore_to_hf(name, n)

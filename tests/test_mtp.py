@@ -60,7 +60,7 @@ def test_mtp_loss_matches_manual_and_main_loss_unchanged(mtp_ckpt, mcore):
         mtp = model.mtp.layers[0]
         e = model.embedding(input_ids=_roll_in_docs(ids, cu), position_ids=None)
         x, _ = mtp.eh_proj(torch.cat([mtp.enorm(e), mtp.hnorm(h)], -1))
-        x, _ = mtp.transformer_layer(x, packed_seq_params=psp)
+        x, _ = mtp.mtp_model_layer(x, packed_seq_params=psp)
         logits, _ = model.output_layer(mtp.final_layernorm(x))
         lab2 = _roll_in_docs(labels.clamp(min=0), cu)
         m2 = _roll_in_docs(mask, cu)
@@ -73,7 +73,7 @@ def test_mtp_loss_matches_manual_and_main_loss_unchanged(mtp_ckpt, mcore):
     model.zero_grad()
     ((loss_mtp * mask).sum() / mask.sum()).backward()
     assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0
-    assert model.mtp.layers[0].transformer_layer.attn_hc.fn.grad.abs().sum() > 0
+    assert model.mtp.layers[0].mtp_model_layer.attn_hc.fn.grad.abs().sum() > 0
 
 
 def test_mtp_layer_is_a_dsa_moe_glm_layer(mtp_ckpt, mcore):
@@ -81,6 +81,6 @@ def test_mtp_layer_is_a_dsa_moe_glm_layer(mtp_ckpt, mcore):
     from megatron_glm5.models.kpool_dsa import Glm5DSAttention
 
     model = build_model_from_hf(mtp_ckpt)
-    layer = model.mtp.layers[0].transformer_layer
+    layer = model.mtp.layers[0].mtp_model_layer
     assert isinstance(layer.self_attention, Glm5DSAttention) and not layer.self_attention.is_shared
     assert type(layer.mlp).__name__ == "MoELayer"

@@ -386,9 +386,9 @@ def _belongs_to_model(target, model) -> bool:
         if int(m.group(1)) not in rng:
             return False
         layer = model.decoder.layers[int(m.group(1)) - rng.start]
-    m = re.match(r"mtp\.layers\.(\d+)\.transformer_layer\.", name)
+    m = re.match(r"mtp\.layers\.(\d+)\.mtp_model_layer\.", name)
     if m and getattr(model, "mtp_process", False):
-        layer = model.mtp.layers[int(m.group(1))].transformer_layer
+        layer = model.mtp.layers[int(m.group(1))].mtp_model_layer
     m = re.search(r"mlp\.experts\.local_experts\.(\d+)\.", name)
     if m and layer is not None and int(m.group(1)) not in getattr(layer.mlp, "local_expert_indices", []):
         return False  # another EP rank's expert

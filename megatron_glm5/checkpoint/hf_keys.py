@@ -22,7 +22,7 @@ Mapping rules (HF prefix ``model.language_model.`` = LM):
     ...mlp.shared_experts.linear_fc{1,2}.weight <-> ...mlp.shared_experts.{gate+up, down}_proj.weight
     mtp.layers.{k}.{enorm,hnorm,eh_proj}.weight <-> LM layers.{L+k}.{enorm,hnorm,eh_proj}.weight  (L = num_layers)
     mtp.layers.{k}.final_layernorm.weight       <-> LM layers.{L+k}.shared_head.norm.weight
-    mtp.layers.{k}.transformer_layer.<layer>    <-> LM layers.{L+k}.<layer, mapped as a decoder layer>
+    mtp.layers.{k}.mtp_model_layer.<layer>      <-> LM layers.{L+k}.<layer, mapped as a decoder layer>
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def mcore_to_hf(name: str, num_layers: int) -> List[str]:
     m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", name)
     if m:
         rest = m.group(2)
-        if rest.startswith("transformer_layer."):
-            hf = _forward(_LAYER_FWD, rest[len("transformer_layer."):])
+        if rest.startswith("mtp_model_layer."):
+            hf = _forward(_LAYER_FWD, rest[len("mtp_model_layer."):])
         else:
             hf = _forward(_MTP_FWD, rest)
         if hf is not None:
@@ -158,7 +158,7 @@ def hf_to_mcore(hf_name: str, num_layers: int, mtp_layers: int = 0) -> Optional[
                     found = (f"mtp.layers.{k}.{inv[0]}", inv[1], inv[2])
                 else:
                     inv = _inverse(_LAYER_INV, rest)
-                    found = inv and (f"mtp.layers.{k}.transformer_layer.{inv[0]}", inv[1], inv[2])
+                    found = inv and (f"mtp.layers.{k}.mtp_model_layer.{inv[0]}", inv[1], inv[2])
     if not found:
         raise KeyError(f"no megatron parameter for HF key {hf_name!r}")
     return found
@@ -188,9 +188,9 @@ def canonical_name(local_name: str, model) -> str:
         gidx = layer.layer_number - 1 if layer is not None else int(m.group(2))
         local_name = f"{m.group(1)}decoder.layers.{gidx}.{m.group(3)}"
     else:
-        m = re.match(r"mtp\.layers\.(\d+)\.transformer_layer\.", local_name)
+        m = re.match(r"mtp\.layers\.(\d+)\.mtp_model_layer\.", local_name)
         if m and hasattr(model, "mtp"):
-            layer = model.mtp.layers[int(m.group(1))].transformer_layer
+            layer = model.mtp.layers[int(m.group(1))].mtp_model_layer
     mm = re.match(r"(.*mlp\.experts\.local_experts\.)(\d+)(\..*)", local_name)
     if mm and layer is not None:
         gexp = layer.mlp.local_expert_indices[int(mm.group(2))]

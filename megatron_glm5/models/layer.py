@@ -25,21 +25,21 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from megatron_glm5.models.cuda_graphs import GraphedModule, moe_graph_blockers
 from megatron_glm5.models.mhc import HyperConnection, apply_hyper_connection_output
 
 
 @dataclass
-class Glm5LayerSubmodules:
-    """Submodules of one GLM-5.3 decoder layer."""
+class Glm5LayerSubmodules(TransformerLayerSubmodules):
+    """Submodules of one GLM-5.3 decoder layer: megatron's ``TransformerLayerSubmodules`` (whose
+    ``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm`` and ``mlp`` the layer builds; megatron's MTP layer
+    reads ``self_attention``'s ``attn_mask_type`` through this type) plus the two mHC sites. The bias-dropout-add and
+    cross-attention fields are not used."""
 
     attn_hc: Union[ModuleSpec, type] = HyperConnection
-    input_layernorm: Union[ModuleSpec, type] = None
-    self_attention: Union[ModuleSpec, type] = None
     ffn_hc: Union[ModuleSpec, type] = HyperConnection
-    pre_mlp_layernorm: Union[ModuleSpec, type] = None
-    mlp: Union[ModuleSpec, type] = None
 
 
 def _build_attention(spec, config, layer_number, pg_collection):
@@ -161,16 +161,15 @@ class Glm5MTPTransformerLayer(Glm5TransformerLayer):
     megatron's MTP layer hands a single ``[s, b, h]`` stream to its transformer layer and expects
     ``(hidden_states, context)`` back. The MTP layer of GLM-5.3 carries mHC parameters like every decoder layer, so
     the input is expanded to ``hc_mult`` identical streams, the layer runs, and the streams are averaged (the same
-    contract as the main decoder's embedding expansion and final head). megatron's MTP layer has no padding-mask
-    argument: ``Glm5Model`` sets :attr:`padding_mask` for the duration of its MTP call.
+    contract as the main decoder's embedding expansion and final head). ``padding_mask`` (what megatron's MTP block
+    hands down) reaches the MoE router as in a decoder layer.
     """
 
-    padding_mask: Optional[torch.Tensor] = None
-
-    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None,
+                padding_mask: Optional[torch.Tensor] = None, **kwargs):
         n = self.hc_mult
         s, b, h = hidden_states.shape
         streams = hidden_states.unsqueeze(2).expand(s, b, n, h).reshape(s, b, n * h)
         streams, _ = super().forward(streams, attention_mask=attention_mask, packed_seq_params=packed_seq_params,
-                                     padding_mask=self.padding_mask)
+                                     padding_mask=padding_mask)
         return streams.view(s, b, n, h).mean(dim=2), None

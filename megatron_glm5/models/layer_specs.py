@@ -108,7 +108,7 @@ def get_mtp_block_spec(config: Glm5Config) -> Optional[ModuleSpec]:
     layer = ModuleSpec(
         module=Glm5MultiTokenPredictionLayer,
         submodules=MultiTokenPredictionLayerSubmodules(
-            enorm=RMSNorm, hnorm=RMSNorm, eh_proj=ColumnParallelLinear, transformer_layer=spec, layer_norm=RMSNorm),
+            enorm=RMSNorm, hnorm=RMSNorm, eh_proj=ColumnParallelLinear, mtp_model_layer=spec, layer_norm=RMSNorm),
     )
     return ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(
         layer_specs=[layer] * config.mtp_num_layers))

@@ -35,6 +35,7 @@ from megatron.core.transformer.multi_token_prediction import (
     MTPLossAutoScaler,
     MTPLossLoggingHelper,
     MultiTokenPredictionBlock,
+    _compute_mtp_acceptance_counts,
     tie_word_embeddings_state_dict,
 )
 from megatron.core.transformer.spec_utils import build_module
@@ -275,14 +276,7 @@ class Glm5Model(LanguageModule):
         hidden = self.final_layernorm(contract_streams(hidden, self.hc_mult))
 
         if self.mtp_process and labels is not None:
-            mtp_layers = [layer.transformer_layer for layer in self.mtp.layers]
-            for layer in mtp_layers:
-                layer.padding_mask = moe_padding
-            try:
-                hidden = self._add_mtp_loss(hidden, input_ids, labels, loss_mask, packed_seq_params)
-            finally:
-                for layer in mtp_layers:
-                    layer.padding_mask = None
+            hidden = self._add_mtp_loss(hidden, input_ids, labels, loss_mask, packed_seq_params, moe_padding)
 
         logits = self.output_logits(hidden)
         if labels is None:
@@ -296,13 +290,15 @@ class Glm5Model(LanguageModule):
         group = self.pg_collection.tp if self.parallel_output else None
         return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group).transpose(0, 1).contiguous()
 
-    def _add_mtp_loss(self, hidden, input_ids, labels, loss_mask, packed_seq_params):
+    def _add_mtp_loss(self, hidden, input_ids, labels, loss_mask, packed_seq_params, padding_mask=None):
         """Run the MTP block on the final-normed ``hidden`` [s(/tp), b, h] (megatron-core's GPTModel contract: its
         decoder output is normed) and attach the scaled MTP loss to the backward of ``hidden``. The MTP layer's own
-        ``final_layernorm`` (HF ``shared_head.norm``) precedes the shared output layer."""
+        ``final_layernorm`` (HF ``shared_head.norm``) precedes the shared output layer. ``padding_mask`` [b, s(/tp)]
+        (this rank's rows of ``hidden``) reaches the MTP layers' MoE routers."""
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
         out = self.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden, attention_mask=None,
-                       packed_seq_params=packed_seq_params, embedding=self._mtp_embedding)
+                       padding_mask=padding_mask, packed_seq_params=packed_seq_params,
+                       embedding=self._mtp_embedding)
         chunks = torch.chunk(out, 1 + self.config.mtp_num_layers, dim=0)
         hidden = chunks[0]
         if loss_mask is None:
@@ -313,15 +309,20 @@ class Glm5Model(LanguageModule):
             # contiguous CP chunks: shifts and loss cross chunk edges (models/context_parallel.py)
             mtp_labels = roll_left_in_documents(mtp_labels, packed_seq_params, cp_group)
             loss_mask = roll_left_in_documents(loss_mask, packed_seq_params, cp_group)
-            mtp_loss = self.compute_language_model_loss(mtp_labels.clamp(min=0), self.output_logits(chunks[depth + 1]))
+            mtp_logits = self.output_logits(chunks[depth + 1])
+            mtp_loss = self.compute_language_model_loss(mtp_labels.clamp(min=0), mtp_logits)
             scale = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
             # the row's MTP mean (logging) and this rank's objective: summed in per-token-loss runs (the step divides
             # by the global token count, as megatron's GPTModel), else cp x its share of the row's mean
             self.last_mtp_loss, mtp_objective = mtp_loss_terms(mtp_loss, loss_mask, cp_group,
                                                                self.config.calculate_per_token_loss)
-            if self.training:  # megatron's 'mtp_{depth+1} loss' logging, averaged over data(+context) ranks
-                MTPLossLoggingHelper.save_loss_to_tracker(
-                    self.last_mtp_loss, depth, self.config.mtp_num_layers,
+            if self.training:
+                # megatron's 'mtp_{depth+1} loss' (averaged over data(+context) ranks) and acceptance-rate logging:
+                # this rank's correct / counted predictions, summed over those ranks
+                correct, total = _compute_mtp_acceptance_counts(mtp_logits, mtp_labels, loss_mask, self.output_layer,
+                                                                None, self.tp_group)
+                MTPLossLoggingHelper.save_metrics_to_tracker(
+                    self.last_mtp_loss, correct, total, depth, self.config.mtp_num_layers,
                     avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_objective)
         return hidden
@@ -341,9 +342,9 @@ class Glm5Model(LanguageModule):
                 out[f"decoder.layers.{layer.layer_number - 1}.mlp.router"] = router
         if self.mtp_process:
             for i, mtp_layer in enumerate(self.mtp.layers):
-                router = getattr(mtp_layer.transformer_layer.mlp, "router", None)
+                router = getattr(mtp_layer.mtp_model_layer.mlp, "router", None)
                 if router is not None:
-                    out[f"mtp.layers.{i}.transformer_layer.mlp.router"] = router
+                    out[f"mtp.layers.{i}.mtp_model_layer.mlp.router"] = router
         return out
 
     # ------------------------------------------------------------------ checkpointing
