@@ -1,10 +1,11 @@
 """Saving a megatron-core torch_dist checkpoint whose tensors are produced while they are written.
 
-megatron-core's ``dist_checkpointing.save`` writes ``common.pt``, ``metadata.json`` and the ShardedObjects itself; the
-sharded part goes through :class:`StreamingTorchDistSaveStrategy`, a public ``SaveShardedStrategy`` that translates
-the ShardedTensors with megatron's public ``mcore_to_pyt_state_dict`` (same format as megatron's torch_dist
-strategy) and saves them with torch DCP, using megatron's ``MCoreSavePlanner`` (subclassed so data comes from
-:class:`LazyTensors`) and :class:`ParallelStreamWriter`:
+megatron-core's ``dist_checkpointing.save`` prepares the state dict (the common, non-sharded state becomes the
+``common_state`` ShardedObject) and writes ``metadata.json``; the sharded part goes through
+:class:`StreamingTorchDistSaveStrategy`, a ``TorchDistSaveShardedStrategy`` (the only strategy type megatron's
+``save`` takes) that translates the ShardedTensors and ShardedObjects with megatron's ``mcore_to_pyt_state_dict``
+(the same format as megatron's own torch_dist save) and saves them with torch DCP, using megatron's
+``MCoreSavePlanner`` (subclassed so data comes from :class:`LazyTensors`) and :class:`ParallelStreamWriter`:
 
 * ``threads`` files per rank (``__{rank}_{i}.distcp``) are written concurrently, one thread each; every thread
   produces (reads, dequantises, checks, casts) the next tensor of its file and writes it at once, so reading,
@@ -12,7 +13,7 @@ strategy) and saves them with torch DCP, using megatron's ``MCoreSavePlanner`` (
   stages every tensor in memory first; torch's FileSystemWriter keeps every written tensor of a file.)
 * each file's SHA-256 is computed while it is written (for the checksum manifest).
 
-Only megatron-core's public API is used. Each tensor is one ``torch.save`` record, as in torch's own
+Each tensor is one ``torch.save`` record, as in torch's own
 FileSystemWriter: written by :class:`~megatron_glm5.checkpoint.torch_record.TorchRecordWriter` (the same bytes as
 ``torch.save``, with its Python work per tensor cut to a few calls and the data copied, CRC'd and hashed outside the
 GIL), or, for what it does not write (other dtypes, 4 GiB and more, stream transforms), by torch's
@@ -213,23 +214,21 @@ def _group_by_sharded_key(sharded_state_dict) -> Dict[str, list]:
 
 
 def _strategy_cls():
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
-    from megatron.core.dist_checkpointing.strategies.torch import mcore_to_pyt_state_dict
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, mcore_to_pyt_state_dict
     from torch.distributed.checkpoint import save as dcp_save
 
-    class StreamingTorchDistSaveStrategy(SaveShardedStrategy):
+    class StreamingTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         """megatron's torch_dist format (same translation to DCP) written by :class:`ParallelStreamWriter` with
-        lazily produced tensors."""
+        lazily produced tensors (synchronously: no async save)."""
 
         def __init__(self, lazy: LazyTensors, on_bytes, threads: int = 2, checkpoint_id: Optional[str] = None):
-            super().__init__("torch_dist", 1)
+            super().__init__("torch_dist", 1, thread_count=threads)
             self.lazy, self.on_bytes, self.threads, self.checkpoint_id = lazy, on_bytes, threads, checkpoint_id
             self.planner = None
             self.writer = None
 
-        @property
-        def can_handle_sharded_objects(self):
-            return True
+        def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy="nvrx"):
+            raise NotImplementedError("the streaming save is synchronous")
 
         def save(self, sharded_state_dict, checkpoint_dir):
             pyt_state_dict = mcore_to_pyt_state_dict(_group_by_sharded_key(sharded_state_dict), False)
