@@ -15,7 +15,7 @@ PRETRAIN = os.path.join(REPO, "pretrain_glm5_vlm.py")
 
 # a tiny, fast run: the tiny preset (4 layers, MoE, DSA, KDA, vision, MTP), short rows
 TINY = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--lr", "1e-2", "--lr-warmup-iters", "2", "--min-lr", "1e-3", "--log-interval", "1"]
+        "--lr", "1e-2", "--lr-warmup-iters", "2", "--min-lr", "1e-3", "--log-interval", "1", "--eval-iters", "0"]
 
 
 def run(args: List[str], script: str = PRETRAIN, timeout: int = 900, env: Optional[dict] = None,

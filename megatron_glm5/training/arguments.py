@@ -199,11 +199,6 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict) -> None:
             raise ArgumentError("--" + flag.replace("_", "-"),
                                 f"{getattr(args, flag)} contradicts the architecture of "
                                 f"{args.hf_config or args.model_preset} ({want}); leave it out")
-    _require(args.seq_length is not None and args.seq_length >= 2, "--seq-length", "required, >= 2")
-    if args.eval_interval is None:
-        _require(args.eval_iters == 0, "--eval-interval",
-                 f"required with --eval-iters {args.eval_iters} (--eval-iters 0 turns validation off)")
-        args.eval_interval = args.train_iters  # no validation: Megatron-LM still sizes the valid split with it
     _require(args.max_consecutive_skipped_iterations >= 1, "--max-consecutive-skipped-iterations", "must be >= 1")
     files = [f for f in (args.data_path or []) if not _is_number(f)]
     _require(args.mock_data or files, "--data-path", "give --data-path or --mock-data")
@@ -234,6 +229,10 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict) -> None:
                  f"no checkpoint directory at {args.pretrained_checkpoint}")
     if args.save and os.path.exists(args.save):
         _require(os.path.isdir(args.save), "--save", f"{args.save} exists and is not a directory")
+    if args.eval_interval is None:
+        _require(args.eval_iters == 0, "--eval-interval",
+                 f"required with --eval-iters {args.eval_iters} (--eval-iters 0 turns validation off)")
+        args.eval_interval = args.train_iters  # no validation: Megatron-LM still sizes the valid split with it
 
 
 def _is_number(s: str) -> bool:
@@ -271,18 +270,77 @@ def _argv(argv: List[str], prog: str):
         sys.argv = saved
 
 
-def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.Namespace:
-    """Megatron-LM's ``parse_and_validate_args`` with the GLM flags and this architecture's defaults; sets
-    Megatron-LM's global args (and its tokenizer, TensorBoard writer, timers, microbatch calculator). Any error —
-    an unknown flag, a value Megatron-LM's checks refuse, one of ours — is one line and exit 2."""
-    from megatron.training.arguments import parse_and_validate_args
+def _one_line_parser_errors(prog: str):
+    """The extra-args provider, with the parser's own errors (unknown flag, bad choice or type) as one line."""
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.prog = prog
+        parser.error = lambda message: fail(message, prog)
+        for action in parser._actions:  # a literal '%' in a Megatron-LM help text makes --help raise
+            if action.help and "%" in action.help:
+                try:
+                    action.help % dict(vars(action), prog=prog)
+                except (ValueError, TypeError, KeyError):
+                    action.help = action.help.replace("%", "%%")
+        return add_glm5_arguments(parser)
+
+    return provider
+
+
+def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
+    """The flags Megatron-LM checks with a bare ``assert`` (or not at all) that a user gets wrong most: checked first,
+    naming the flag. ``config``: the architecture's Glm5Config."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for flag in ("micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size", "context_parallel_size", "log_interval"):
+        _require(getattr(args, flag) >= 1, "--" + flag.replace("_", "-"), "must be >= 1")
+    _require(args.world_size % (tp * pp * cp) == 0, "--tensor-model-parallel-size",
+             f"world size {args.world_size} is not divisible by TP {tp} x PP {pp} x CP {cp}")
+    dp = args.world_size // (tp * pp * cp)
+    etp = args.expert_tensor_parallel_size or tp
+    _require(args.world_size % (etp * args.expert_model_parallel_size * pp) == 0, "--expert-model-parallel-size",
+             f"world size {args.world_size} is not divisible by ETP {etp} x EP {args.expert_model_parallel_size} x "
+             f"PP {pp}")
+    if args.global_batch_size is not None:
+        _require(args.global_batch_size >= 1 and args.global_batch_size % (args.micro_batch_size * dp) == 0,
+                 "--global-batch-size", f"{args.global_batch_size} is not divisible by micro batch "
+                 f"{args.micro_batch_size} x data parallel {dp}")
+    if config.num_moe_experts and tp > 1 and not args.sequence_parallel:
+        raise ArgumentError("--sequence-parallel", f"required with --tensor-model-parallel-size {tp} on this MoE "
+                            "model (megatron-core's MoE layers need it)")
+    _require(args.seq_length is not None and args.seq_length >= 2, "--seq-length", "required, >= 2")
+    _require((args.train_iters or 0) >= 1 or (args.train_samples or 0) >= 1, "--train-iters",
+             "required, >= 1 (or --train-samples)")
+    _require(args.lr is not None and args.lr >= 0, "--lr", "required, >= 0")
+    _require(0 <= args.min_lr <= args.lr, "--min-lr", f"must lie in [0, --lr={args.lr}]")
+    if args.recompute_method is not None:
+        _require(args.recompute_granularity == "full", "--recompute-method", "needs --recompute-granularity full")
+    if args.save_interval is not None:
+        _require(bool(args.save), "--save-interval", "needs --save")
+    if args.finetune:
+        _require(bool(args.load or args.pretrained_checkpoint), "--finetune", "needs --load or --pretrained-checkpoint")
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        _require(pp > 1, "--num-layers-per-virtual-pipeline-stage", "needs --pipeline-model-parallel-size > 1")
+    _require(not (args.pipeline_model_parallel_layout and (args.decoder_first_pipeline_num_layers is not None
+                                                           or args.decoder_last_pipeline_num_layers is not None)),
+             "--pipeline-model-parallel-layout", "give either a layout or --decoder-first/last-pipeline-num-layers")
+
+
+def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: Optional[int] = None
+               ) -> argparse.Namespace:
+    """Megatron-LM's argument handling (``parse_args`` -> ``validate_args`` -> ``set_global_variables``, what its
+    ``parse_and_validate_args`` runs) with the GLM flags and this architecture's defaults, our checks first. Sets
+    Megatron-LM's global args (its tokenizer, TensorBoard writer, timers, microbatch calculator). Any error — an
+    unknown flag, a value refused by our checks or by Megatron-LM's — is one line and exit 2. ``world_size``:
+    instead of ``$WORLD_SIZE`` (argument checks without a launcher)."""
+    from megatron.training.arguments import parse_args as megatron_parse_args
+    from megatron.training.arguments import validate_args
+    from megatron.training.global_vars import set_global_variables, unset_global_variables
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         with _argv(argv, prog):
-            from megatron.training.arguments import parse_args as megatron_parse_args
-
-            megatron_parse_args(extra_args_provider=add_glm5_arguments)  # prints the help and exits 0
+            megatron_parse_args(extra_args_provider=_one_line_parser_errors(prog))  # prints the help, exits 0
     try:
         hf, config = _architecture(argv)
         arch = architecture_defaults(config, hf)
@@ -291,9 +349,19 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
         fail(str(e), prog)
     megatron_noise = io.StringIO()
     try:
-        with _argv(argv, prog), contextlib.redirect_stdout(megatron_noise):
-            args = parse_and_validate_args(extra_args_provider=add_glm5_arguments, args_defaults=defaults)
+        with _argv(argv, prog):
+            args = megatron_parse_args(extra_args_provider=_one_line_parser_errors(prog))
+        if world_size is not None:
+            args.world_size = world_size
+        for key, value in defaults.items():  # what validate_args does with its defaults, first: our checks read them
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
+        check_layout_and_schedule(args, config)
         validate_glm5_args(args, arch)
+        with contextlib.redirect_stdout(megatron_noise):
+            validate_args(args, defaults)
+            unset_global_variables()  # a second parse in one process (tests) replaces the first
+            set_global_variables(args)
     except ArgumentError as e:
         fail(str(e), prog)
     except (AssertionError, ValueError, RuntimeError) as e:
