@@ -103,8 +103,8 @@ def test_bf16_checkpoint_loads_bitwise_like_hf_loader(ckpts, reference):
     assert out["mtp.layers.0.eh_proj.weight"].dtype == torch.bfloat16
 
     files = sorted(os.listdir(ckpts["bf16"]))
-    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "checksums.sha256", "common.pt",
-                     "conversion_info.json", "hf_config.json", "metadata.json"]
+    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "checksums.sha256", "conversion_info.json",
+                     "hf_config.json", "metadata.json"]
     with open(os.path.join(ckpts["bf16"], "hf_config.json")) as fh:
         assert json.load(fh) == json.loads(json.dumps(Glm5Config.from_hf(ckpts["hf"]).to_hf_dict()))
     with open(os.path.join(ckpts["bf16"], "conversion_info.json")) as fh:
@@ -120,7 +120,7 @@ def test_bf16_checkpoint_loads_bitwise_like_hf_loader(ckpts, reference):
 
 def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
     """megatron's own dist_checkpointing.save of the loaded model writes the same tensors, shapes, dtypes, chunks,
-    common.pt and metadata.json (it only splits the data over 2 files per rank)."""
+    common state and metadata.json (it only splits the data over 2 files per rank)."""
     from megatron.core import dist_checkpointing
 
     ref_dir = tmp_path / "mcore_save"
@@ -128,7 +128,8 @@ def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
     dist_checkpointing.save(reference.sharded_state_dict(), str(ref_dir))
     with open(ref_dir / "metadata.json") as a, open(os.path.join(ckpts["bf16"], "metadata.json")) as b:
         assert json.load(a) == json.load(b)
-    assert torch.load(ref_dir / "common.pt") == torch.load(os.path.join(ckpts["bf16"], "common.pt"))
+    assert (dist_checkpointing.load_common_state_dict(str(ref_dir))
+            == dist_checkpointing.load_common_state_dict(ckpts["bf16"]))
     with open(ref_dir / ".metadata", "rb") as a, open(os.path.join(ckpts["bf16"], ".metadata"), "rb") as b:
         ma, mb = pickle.load(a).state_dict_metadata, pickle.load(b).state_dict_metadata
     assert ma.keys() == mb.keys()
@@ -258,7 +259,9 @@ def test_two_workers_equal_one(ckpts, tmp_path):
     assert all(os.path.getsize(out / f) > 50_000 for f in distcp)  # balanced
     a, b = dist_checkpointing.load_plain_tensors(ckpts["bf16"]), dist_checkpointing.load_plain_tensors(str(out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
-    for f in ("common.pt", "metadata.json", "hf_config.json"):
+    assert dist_checkpointing.load_common_state_dict(str(out)) == dist_checkpointing.load_common_state_dict(
+        ckpts["bf16"])
+    for f in ("metadata.json", "hf_config.json"):
         with open(out / f, "rb") as x, open(os.path.join(ckpts["bf16"], f), "rb") as y:
             assert x.read() == y.read(), f
 

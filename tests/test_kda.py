@@ -289,6 +289,10 @@ def _tp_worker(rank, world, port, sequence_parallel, result_q):
 
         from megatron_glm5.initialize import destroy_megatron, initialize_megatron
 
+        if not torch.cuda.is_available():  # a spawned process: the reference's CPU path as in the test process
+            from conftest import _transformers_reference_on_cpu
+
+            _transformers_reference_on_cpu()
         hf_mod = __import__(HF_MOD, fromlist=["Glm5NextTextLinearAttention"])
         initialize_megatron(tp=world, seed=1234)
         text = _hf_text_dict()

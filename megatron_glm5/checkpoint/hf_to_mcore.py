@@ -4,9 +4,9 @@ The model is never materialised: a TP=PP=EP=1 model on the meta device gives the
 (:mod:`lazy_sources`), every tensor is read (mmap), dequantised, checked, fused, cast and written by parallel writer
 threads (:mod:`dcp_save`), optionally in several processes (:mod:`workers`). Everything is validated before a
 tensor is read (arguments, config, layout, every key, shape, dtype and FP8 scale grid); bad input raises a
-:class:`CheckpointError` (or ``Glm5ConfigError``) of one line. Output: ``.metadata`` + ``__*_*.distcp`` (torch DCP),
-``common.pt`` + ``metadata.json`` (megatron), ``hf_config.json`` (read by the exporter), ``conversion_info.json``
-and ``checksums.sha256``, published atomically under a lock (:mod:`atomic`).
+:class:`CheckpointError` (or ``Glm5ConfigError``) of one line. Output: ``.metadata`` + ``__*_*.distcp`` (torch DCP,
+megatron's common state included), ``metadata.json`` (megatron), ``hf_config.json`` (read by the exporter),
+``conversion_info.json`` and ``checksums.sha256``, published atomically under a lock (:mod:`atomic`).
 
 A checkpoint whose config.json declares an MTP layer but which holds no MTP weights (what transformers'
 ``save_pretrained`` writes) converts without the MTP layer, with one notice; ``mtp_init=True`` instead starts a

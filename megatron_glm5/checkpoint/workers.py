@@ -26,9 +26,9 @@ class WorkerInputError(CheckpointError):
 def _worker_entry(rank: int, world: int, port: int, hf_dir: str, out_dir: str, dtype_name: str, q,
                   final_dir: Optional[str], mtp: bool, mtp_init: bool, threads: int) -> None:
     """One of ``workers`` processes: gloo group of ``world``, meta model, write the owned tensors."""
-    import warnings
+    from megatron_glm5.cli.common import quiet_library_warnings
 
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    quiet_library_warnings()
     # the conversion is CPU work over a gloo group: GPUs stay hidden (a worker rank is no GPU index; with CUDA
     # visible, rank 2 of 3 on a one-GPU machine asked for device 2 and failed)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

@@ -14,6 +14,7 @@ the user otherwise.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
@@ -35,11 +36,14 @@ def stderr_line(msg: str) -> None:
 
 
 def quiet_library_warnings() -> None:
-    """Keep stderr to progress, notices and the error line (megatron warns about missing TE / Apex on import)."""
+    """Keep stderr to progress, notices and the error line: megatron warns about missing TE / Apex on import, and
+    megatron-core's import of ``torch.utils.cpp_extension`` logs "No CUDA runtime is found" where a CUDA toolkit is
+    installed but no GPU is visible (CPU machines, the converter's workers)."""
     for mod in (r"megatron(\..*)?", r"torch(\..*)?", r"transformers(\..*)?"):
         for cat in (UserWarning, FutureWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=cat, module=mod)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def run_cli(prog: str, body: Callable[[], Optional[int]]) -> int:
