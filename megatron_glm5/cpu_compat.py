@@ -31,6 +31,7 @@ and is never called by the GPU training path.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 
@@ -313,4 +314,4 @@ def _install_megatron_training() -> None:
     for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(cuda, stat, lambda *a, **k: 0)
     cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.memory_stats = lambda *a, **k: {}
+    cuda.memory_stats = lambda *a, **k: collections.defaultdict(int)

@@ -121,6 +121,7 @@ def _train(workdir, data, name: str, variant: str, flags, nproc: int, optimizer:
     hf, init = _initial_checkpoint(workdir, variant)
     out = workdir / name
     args = _common(hf, data, optimizer) + ["--pretrained-checkpoint", str(init), "--save", str(out / "ckpt"),
+                                           "--save-interval", "100",
                                            "--no-save-optim", "--tensorboard-dir", str(out / "tb")] + list(flags)
     proc = run(args, nproc=nproc, timeout=1500)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
@@ -184,11 +185,13 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_dp2(workdir, data, mcore):
     ref_losses, ref_weights = _reference(workdir, data, "moe4", [], "adam")
     common = _common(hf, data, "adam") + ["--use-distributed-optimizer"]
     ck = workdir / "reshard" / "ckpt"
-    first = run(common + ["--pretrained-checkpoint", str(init), "--save", str(ck), "--exit-interval", "2",
+    first = run(common + ["--pretrained-checkpoint", str(init), "--save", str(ck), "--save-interval", "100",
+                          "--exit-interval", "2",
                           "--tensor-model-parallel-size", "2", "--sequence-parallel",
                           "--pipeline-model-parallel-size", "2"], nproc=4, timeout=1500)
     assert first.returncode == 0, first.stderr[-4000:]
-    second = run(common + ["--load", str(ck), "--save", str(ck), "--expert-model-parallel-size", "2",
+    second = run(common + ["--load", str(ck), "--save", str(ck), "--save-interval", "100",
+                           "--expert-model-parallel-size", "2",
                            "--tensorboard-dir", str(workdir / "reshard" / "tb")], nproc=4, timeout=1500)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "iteration 2" in second.stdout, second.stdout[-2000:]

@@ -76,8 +76,13 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--max-consecutive-skipped-iterations", type=int, default=5,
                    help="stop (exit 1) after this many iterations in a row whose loss or grad norm is NaN/inf; such "
                         "an iteration is skipped (no update) and counted in 'number of skipped iterations'")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+                   help="hand a NaN/inf loss or gradient to Megatron-LM's rerun state machine (--rerun-mode: "
+                        "validate_results reruns the step, then saves and exits 16) instead of skipping the step; "
+                        "off by default for this model (--max-consecutive-skipped-iterations)")
     g.add_argument("--inject-nan-at-iteration", type=int, nargs="*", default=[],
                    help="testing aid: make the loss NaN at these iterations (they must be skipped)")
+    g.add_argument("--test-kill-during-save", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
     g.add_argument("--torch-fused-adam", action="store_true",
                    help="megatron-core without Transformer Engine or Apex falls back to torch's Adam in its foreach "
                         "form: run torch's fused Adam kernel instead (one pass over weights, gradients and moments)")
@@ -85,9 +90,10 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     import torch
 
     # this model's layers are megatron-core's local modules and its own (no Transformer Engine spec) and carry no
-    # position embedding (KDA, NoPE sparse attention); without CUDA the process groups are gloo's and CUDA-only fusions
+    # position embedding (KDA, NoPE sparse attention); a non-finite step is skipped and counted (megatron_hooks), not
+    # handed to the rerun state machine unless asked; without CUDA the process groups are gloo's and CUDA-only fusions
     # are off
-    defaults = dict(transformer_impl="local", position_embedding_type="none")
+    defaults = dict(transformer_impl="local", position_embedding_type="none", check_for_nan_in_loss_and_grad=False)
     if not torch.cuda.is_available():
         defaults.update(distributed_backend="gloo", gradient_accumulation_fusion=False, bias_gelu_fusion=False,
                         bias_swiglu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -317,6 +323,9 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
         _require(args.recompute_granularity == "full", "--recompute-method", "needs --recompute-granularity full")
     if args.save_interval is not None:
         _require(bool(args.save), "--save-interval", "needs --save")
+    if args.save:
+        _require(args.save_interval is not None, "--save-interval",
+                 "required with --save (Megatron-LM also saves the last iteration)")
     if args.finetune:
         _require(bool(args.load or args.pretrained_checkpoint), "--finetune", "needs --load or --pretrained-checkpoint")
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -324,6 +333,18 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     _require(not (args.pipeline_model_parallel_layout and (args.decoder_first_pipeline_num_layers is not None
                                                            or args.decoder_last_pipeline_num_layers is not None)),
              "--pipeline-model-parallel-layout", "give either a layout or --decoder-first/last-pipeline-num-layers")
+
+
+def _megatron_check(e: BaseException) -> str:
+    """One line for a check of Megatron-LM's argument validation that failed: its message, or (a bare ``assert``)
+    the failed condition and where it is."""
+    import traceback
+
+    if str(e).strip():
+        return one_line(e)
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    where = "/".join(frame.filename.split(os.sep)[-3:])
+    return f"Megatron-LM's check failed: {frame.line} ({where}:{frame.lineno})"
 
 
 def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: Optional[int] = None
@@ -365,7 +386,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
     except ArgumentError as e:
         fail(str(e), prog)
     except (AssertionError, ValueError, RuntimeError) as e:
-        fail(one_line(e) or type(e).__name__, prog)
+        fail(_megatron_check(e), prog)
     sys.stdout.write(megatron_noise.getvalue())
     args.hf_config_dict = hf
     return args

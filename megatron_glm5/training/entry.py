@@ -25,6 +25,19 @@ def _quiet_megatron() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
 
 
+def _last_checkpoint(save: Optional[str]) -> str:
+    """'; the last checkpoint (iteration N) in SAVE is intact' when SAVE's tracker names one."""
+    if not save:
+        return ""
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    try:
+        with open(tracker, encoding="utf-8") as fh:
+            last = fh.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return f"; the last checkpoint (iteration {last}) in {save} is intact" if last else ""
+
+
 def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable,
                  argv: Optional[List[str]] = None, prog: str = "pretrain_glm5_vlm.py") -> int:
     _quiet_megatron()
@@ -54,10 +67,12 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     from megatron.training.utils import print_rank_0
 
     print_rank_0(megatron_hooks.describe())
+    if args.test_kill_during_save is not None:
+        megatron_hooks.install_test_kill_during_save(args.test_kill_during_save)
     cfg = pretrain_cfg_container_from_args(args)
     try:
         pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
     except megatron_hooks.TrainingStopped as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {e}{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
         return 1
     return 0

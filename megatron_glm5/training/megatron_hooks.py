@@ -97,6 +97,36 @@ def _compile_helpers_unless_shipped(upstream):
     return compile_helpers
 
 
+class _KillAfterSavingIteration:
+    """``megatron.core.dist_checkpointing`` as Megatron-LM's checkpointing sees it under ``--test-kill-during-save N``:
+    the save of iteration N writes its files, then the process is killed (SIGKILL) before Megatron-LM finalises the
+    checkpoint and moves its tracker."""
+
+    def __init__(self, module, iteration: int):
+        self._module, self._iteration = module, iteration
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def save(self, *args, **kwargs):
+        import os
+        import signal
+
+        from megatron.training import get_args
+
+        out = self._module.save(*args, **kwargs)
+        if get_args().curr_iteration + 1 == self._iteration or get_args().iteration == self._iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+
+def install_test_kill_during_save(iteration: int) -> None:
+    """Testing aid (``--test-kill-during-save``): die in the middle of the checkpoint save of ``iteration``."""
+    from megatron.training import checkpointing
+
+    checkpointing.dist_checkpointing = _KillAfterSavingIteration(checkpointing.dist_checkpointing, iteration)
+
+
 def install() -> None:
     """Install the hooks into ``megatron.training`` (idempotent)."""
     from megatron.core.datasets import utils as dataset_utils
