@@ -66,6 +66,8 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     args = parse_args(argv, prog)
     from megatron.training.utils import print_rank_0
 
+    if args.save:
+        megatron_hooks.install_checkpoint_writer_queue()
     print_rank_0(megatron_hooks.describe())
     if args.test_kill_during_save is not None:
         megatron_hooks.install_test_kill_during_save(args.test_kill_during_save)

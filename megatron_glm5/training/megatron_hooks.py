@@ -10,6 +10,11 @@
   weights pair with the right parameters.
 * **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
   layout (megatron-core has none), so that its checkpoints load.
+* **The checkpoint writer's helper process dies with the trainer.** megatron-core's torch_dist writer keeps its
+  results queue in a ``multiprocessing`` manager process, started on the first save, that inherits the trainer's
+  stdout / stderr and outlives it when the trainer is killed (a ``| tee`` or a launcher then waits forever). The
+  queue is made here, by a manager whose process gets SIGKILL when the trainer dies (``PR_SET_PDEATHSIG``) and
+  writes to /dev/null.
 * **The dataset helpers are not rebuilt.** ``initialize_megatron`` runs ``make`` in megatron-core's ``datasets``
   folder to build its C++ index helpers; the released wheel ships them built (``helpers_cpp``) and no Makefile, so
   the ``make`` fails and the run exits. The build is skipped when ``helpers_cpp`` imports.
@@ -125,6 +130,40 @@ def install_test_kill_during_save(iteration: int) -> None:
     from megatron.training import checkpointing
 
     checkpointing.dist_checkpointing = _KillAfterSavingIteration(checkpointing.dist_checkpointing, iteration)
+
+
+def _die_with_parent() -> None:
+    """Initializer of the writer's manager process: killed with its parent, no stdout / stderr of the trainer's."""
+    import ctypes
+    import os
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+
+
+def install_checkpoint_writer_queue() -> None:
+    """Make megatron-core's checkpoint-writer results queue (see the module docstring); for runs that save."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "missing") is not None:  # made already, or another version
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_die_with_parent)
+    _MANAGERS.append(manager)
+    filesystem_async._results_queue = manager.Queue()
+    _INSTALLED.append("checkpoint writer: its queue process dies with the trainer, without its stdout")
+
+
+_MANAGERS: list = []
 
 
 def install() -> None:
