@@ -1,7 +1,7 @@
-"""Workarounds for megatron-core 0.16.1 bugs that hit every device.
+"""Workarounds for megatron-core bugs that hit every device (without Apex / Transformer Engine), installed by
+:func:`apply_mcore_fixes` for the megatron-core versions known to have them (:data:`AFFECTED_VERSIONS`, checked
+against ``megatron.core.package_info.__version__``; each bug was read in and reproduced on both ends of the range).
 
-* ``moe_utils.router_gating_linear`` tests ``te_general_gemm is not None``, but without Transformer Engine the
-  name is never defined (NameError). Define it as ``None`` so the plain torch GEMM path runs.
 * ``TopKRouter._apply_expert_bias`` masks the ``[tokens, experts]`` routing map with the flattened ``[tokens]``
   padding mask, which broadcasts along the expert dim (an error, or a wrong count when tokens == experts): the
   padding tokens must leave the expert loads of the aux-loss-free bias update. The replacement masks per token;
@@ -10,23 +10,41 @@
   optimizer's per-parameter state and asserts there is exactly one value; a fresh optimizer has none yet, so
   building the state dict to *load* a checkpoint into (``sharded_state_dict(is_loading=True)``) fails. A fresh
   optimizer has taken 0 steps: report that (the loaded checkpoint's step then replaces it).
-* ``DistributedOptimizer._set_main_param_and_optimizer_states`` (loading the fully reshardable format) copies
-  every entry of the torch optimizer's per-parameter state from the checkpoint, ``step`` included, which torch Adam
-  keeps there but the format stores per param group (and which ``load_state_dict`` has already set): a KeyError.
-  The replacement copies the param and the moments and leaves ``step`` alone.
+* ``DistributedOptimizer._set_main_param_and_optimizer_states`` (loading the fully reshardable and the DP-zero
+  formats) copies every tensor of the torch optimizer's per-parameter state from the checkpoint, ``step`` included,
+  which torch Adam keeps there but the formats store per param group (and which ``load_state_dict`` has already
+  set): a KeyError. The replacement copies the param and the optimizer's state tensors and leaves ``step`` alone.
 * ``DistributedOptimizer.sharded_param_state_fully_reshardable`` (saving that format) reads each parameter's state
   at its index in the gradient buffer, padding between buckets included, out of ``get_parameter_state_dp_zero``'s
   tensors, which leave that padding out. With more than one bucket (the shared embedding gets a bucket of its own
-  under pipeline parallelism) every later parameter's saved state is shifted and its end filled with zeros
-  (upstream warns "param range exceeds unpadded buffer"). The fix hands it the tensors laid out like the buffer.
+  under pipeline parallelism, or ``overlap_grad_reduce`` buckets) every later parameter's saved state is shifted
+  and its end filled with zeros (upstream warns "param range exceeds unpadded buffer"). The fix hands it the
+  tensors laid out like the buffer.
 
-Applied once, on import of :mod:`megatron_glm5.models`.
+Entry points call :func:`apply_mcore_fixes` (idempotent); importing this module changes nothing.
 """
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
 
 import torch
 from megatron.core.optimizer import distrib_optimizer
-from megatron.core.transformer.moe import moe_utils
+from megatron.core.package_info import __version__ as MCORE_VERSION
 from megatron.core.transformer.moe.router import TopKRouter
+
+# first and last megatron-core release known to have every bug above
+AFFECTED_VERSIONS = ("0.16.1", "0.19.2")
+
+
+def needs_fixes(version: str = MCORE_VERSION) -> bool:
+    """Whether megatron-core ``version`` (its release part: ``0.19.2rc1`` counts as 0.19.2) lies in
+    :data:`AFFECTED_VERSIONS`."""
+    from packaging.version import Version
+
+    release = Version(Version(version).base_version).release
+    first, last = (Version(v).release for v in AFFECTED_VERSIONS)
+    return first <= release <= last
 
 
 def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None):
@@ -40,13 +58,10 @@ def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None):
             self.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
-_upstream_distrib_state_dict = distrib_optimizer.DistributedOptimizer.state_dict
-
-
 def _distrib_state_dict(self):
     """Upstream's state dict; a fresh torch optimizer (no per-parameter state) reports step 0."""
     if distrib_optimizer.HAVE_APEX_OR_TE or len(self.optimizer.state) > 0:
-        return _upstream_distrib_state_dict(self)
+        return UPSTREAM["distrib_optimizer_fresh_state_dict"](self)
     inner = self.optimizer.state_dict()
     state_dict = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
     for param_group in state_dict["optimizer"]["param_groups"]:
@@ -57,22 +72,18 @@ def _distrib_state_dict(self):
     return state_dict
 
 
-_upstream_set_main_param_and_optimizer_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
-
-
 def _set_main_param_and_optimizer_states(self, model_param, tensors):
-    """Upstream's copy of ``tensors`` ({'param', 'exp_avg', 'exp_avg_sq'}) into the main param and its state,
-    without the torch optimizer's own ``step`` entry."""
+    """Upstream's copy of ``tensors`` ({'param', and one entry per optimizer state tensor, e.g. 'exp_avg',
+    'exp_avg_sq'}) into the main param and its state, without the torch optimizer's own ``step`` entry."""
     if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-        return _upstream_set_main_param_and_optimizer_states(self, model_param, tensors)
+        return UPSTREAM["distrib_optimizer_load_keeps_step"](self, model_param, tensors)
     group_index, group_order = self.model_param_group_index_map[model_param]
     main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-    destinations = {"param": main_param, **{k: v for k, v in self.optimizer.state[main_param].items() if k != "step"}}
+    destinations = {"param": main_param, **{k: v for k, v in self.optimizer.state[main_param].items()
+                                            if k != "step" and isinstance(v, torch.Tensor)}}
     for key, dst in destinations.items():
-        dst.copy_(tensors[key])
-
-
-_upstream_fully_reshardable = distrib_optimizer.DistributedOptimizer.sharded_param_state_fully_reshardable
+        if isinstance(tensors[key], torch.Tensor):
+            dst.copy_(tensors[key])
 
 
 def _buffer_layout_state(self, state):
@@ -85,7 +96,7 @@ def _buffer_layout_state(self, state):
             continue
         buffer = self.buffers[gbuf_idx]
         for world in dtype_state.values():
-            for key in ("param", "exp_avg", "exp_avg_sq"):
+            for key in ("param",) + tuple(self.optimizer_state_keys):
                 if key not in world:
                     continue
                 packed, laid_out, offset = world[key], world[key].new_zeros(buffer.numel), 0
@@ -101,18 +112,29 @@ def _fully_reshardable(self, model_sharded_state_dict, is_loading=False, metadat
     packed = self.get_parameter_state_dp_zero
     self.get_parameter_state_dp_zero = lambda **kwargs: _buffer_layout_state(self, packed(**kwargs))
     try:
-        return _upstream_fully_reshardable(self, model_sharded_state_dict, is_loading, metadata)
+        return UPSTREAM["distrib_optimizer_bucket_padding"](self, model_sharded_state_dict, is_loading, metadata)
     finally:
         del self.get_parameter_state_dp_zero
 
 
-def apply_mcore_fixes() -> None:
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    TopKRouter._apply_expert_bias = _apply_expert_bias
-    distrib_optimizer.DistributedOptimizer.state_dict = _distrib_state_dict
-    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
-    distrib_optimizer.DistributedOptimizer.sharded_param_state_fully_reshardable = _fully_reshardable
+_DistOpt = distrib_optimizer.DistributedOptimizer
+# name -> (class, attribute, replacement)
+FIXES: Dict[str, Tuple[type, str, object]] = {
+    "router_expert_bias_padding": (TopKRouter, "_apply_expert_bias", _apply_expert_bias),
+    "distrib_optimizer_fresh_state_dict": (_DistOpt, "state_dict", _distrib_state_dict),
+    "distrib_optimizer_load_keeps_step": (_DistOpt, "_set_main_param_and_optimizer_states",
+                                          _set_main_param_and_optimizer_states),
+    "distrib_optimizer_bucket_padding": (_DistOpt, "sharded_param_state_fully_reshardable", _fully_reshardable),
+}
+# megatron-core's own functions, as found when this module was imported
+UPSTREAM: Dict[str, object] = {name: getattr(owner, attr) for name, (owner, attr, _) in FIXES.items()}
 
 
-apply_mcore_fixes()
+def apply_mcore_fixes() -> Tuple[str, ...]:
+    """Install the workarounds (idempotent) when the installed megatron-core needs them; returns the names of the
+    installed ones (``()`` for a megatron-core outside :data:`AFFECTED_VERSIONS`)."""
+    if not needs_fixes():
+        return ()
+    for owner, attr, replacement in FIXES.values():
+        setattr(owner, attr, replacement)
+    return tuple(FIXES)

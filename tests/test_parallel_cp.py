@@ -94,7 +94,14 @@ def reference(tmp_path_factory, mcore):
     root = tmp_path_factory.mktemp("cp")
     ckpt = write_checkpoint(str(root / "hf"), _hf_config(), fmt="fp32", mtp=True, seed=7)
     batch = _batch()
-    steps, weights = _train(_build(ckpt), batch, make_packed_seq_params(batch["cu_seqlens"]))
+    # one thread, as on the ranks: torch's CPU kernels split their sums by thread count, and this model's fp32
+    # gradients move ~3e-5 with that order alone (1 vs 2 threads, one process), more than TOL
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        steps, weights = _train(_build(ckpt), batch, make_packed_seq_params(batch["cu_seqlens"]))
+    finally:
+        torch.set_num_threads(threads)
     path = str(root / "ref.pt")
     torch.save((steps, weights), path)
     print("\n[reference] lm loss " + " ".join(f"{s[0]:.6f}" for s in steps)

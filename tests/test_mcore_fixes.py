@@ -1,0 +1,212 @@
+"""megatron_glm5.mcore_fixes: each workaround corrects what it names, and megatron-core's own function (put back for
+the test) still shows the bug on the installed version, so a version that fixes it makes its test say so."""
+
+import pytest
+import torch
+
+from megatron_glm5 import mcore_fixes
+
+needs = pytest.mark.skipif(not mcore_fixes.needs_fixes(), reason="megatron-core outside AFFECTED_VERSIONS")
+
+
+def _upstream(monkeypatch, name):
+    """Put megatron-core's own function back for ``name`` (for this test only)."""
+    owner, attr, _ = mcore_fixes.FIXES[name]
+    monkeypatch.setattr(owner, attr, mcore_fixes.UPSTREAM[name])
+
+
+def test_version_guard():
+    for version, affected in (("0.16.1", True), ("0.19.2", True), ("0.19.2rc1", True), ("0.18.0", True),
+                              ("0.16.0", False), ("0.20.0", False), ("1.0.0", False)):
+        assert mcore_fixes.needs_fixes(version) is affected, version
+
+
+@needs
+def test_apply_is_idempotent_and_installs_every_fix():
+    assert mcore_fixes.apply_mcore_fixes() == tuple(mcore_fixes.FIXES)
+    assert mcore_fixes.apply_mcore_fixes() == tuple(mcore_fixes.FIXES)
+    for name, (owner, attr, replacement) in mcore_fixes.FIXES.items():
+        assert getattr(owner, attr) is replacement, name
+        assert mcore_fixes.UPSTREAM[name] is not replacement, name
+
+
+def test_nothing_installed_outside_the_range(monkeypatch):
+    monkeypatch.setattr(mcore_fixes, "needs_fixes", lambda version=None: False)
+    for name in mcore_fixes.FIXES:
+        _upstream(monkeypatch, name)
+    assert mcore_fixes.apply_mcore_fixes() == ()
+    for name, (owner, attr, _) in mcore_fixes.FIXES.items():
+        assert getattr(owner, attr) is mcore_fixes.UPSTREAM[name], name
+
+
+# ------------------------------------------------------------------------------------------------ MoE router
+def _router():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=4,
+                            moe_router_topk=2, moe_router_score_function="sigmoid",
+                            moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+                            moe_router_load_balancing_type="none", use_cpu_initialization=True)
+    return TopKRouter(config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+@needs
+def test_expert_loads_leave_out_padding(mcore, monkeypatch):
+    """6 tokens ([s=3, b=2]) over 4 experts, the last sequence position padding: the loads count the 4 real
+    tokens' experts only; megatron-core's own masking broadcasts the [tokens] mask over the experts (an error)."""
+    mcore_fixes.apply_mcore_fixes()
+    torch.manual_seed(0)
+    router = _router().train()
+    logits = torch.randn(3, 2, 4)
+    padding = torch.zeros(3, 2, dtype=torch.bool)
+    padding[2] = True
+    router.local_tokens_per_expert.zero_()
+    _, routing_map = router.routing(logits, padding_mask=padding)
+    assert routing_map.sum() == 6 * 2
+    torch.testing.assert_close(router.local_tokens_per_expert, routing_map[:4].sum(0).float())
+    router.local_tokens_per_expert.zero_()
+    router.routing(logits)  # no mask: every token counted, as upstream
+    torch.testing.assert_close(router.local_tokens_per_expert, routing_map.sum(0).float())
+
+    _upstream(monkeypatch, "router_expert_bias_padding")
+    router.local_tokens_per_expert.zero_()
+    with pytest.raises(RuntimeError):
+        router.routing(logits, padding_mask=padding)
+
+
+# ------------------------------------------------------------------------------------ distributed optimizer
+class _Tiny(torch.nn.Module):
+    """Three bias-free linears whose weights (55, 77, 91 elements) fill two gradient buckets of a 60-element
+    bucket size: the first bucket is padded to 256 elements, so the third weight starts behind padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(13, 7, bias=False)
+        self.b = torch.nn.Linear(7, 11, bias=False)
+        self.c = torch.nn.Linear(11, 5, bias=False)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def _distributed_adam(seed: int, steps: int = 0):
+    """(module, megatron DistributedOptimizer) after ``steps`` Adam steps on random inputs."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+
+    class Module(MegatronModule):
+        def __init__(self):
+            super().__init__(cfg)
+            self.net = _Tiny()
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(seed)
+    module = Module()
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=60, grad_reduce_in_fp32=True), module)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+                                                 params_dtype=torch.float32), [ddp])
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(torch.randn(4, 13)).square().sum().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    inner = getattr(opt, "chained_optimizers", [opt])[0]
+    assert isinstance(inner, mcore_fixes.distrib_optimizer.DistributedOptimizer)
+    assert len(inner.buffers[0].buckets) == 2
+    return module, opt, inner
+
+
+METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _adam_state(inner, module):
+    """{param name: {'exp_avg', 'exp_avg_sq'}} of the torch optimizer (one data-parallel rank: whole params)."""
+    out = {}
+    for name, p in module.named_parameters():
+        group, order = inner.model_param_group_index_map[p]
+        main = inner.optimizer.param_groups[group]["params"][order]
+        out[name] = {k: inner.optimizer.state[main][k].view(p.shape) for k in ("exp_avg", "exp_avg_sq")}
+    return out
+
+
+@needs
+def test_fresh_optimizer_builds_its_state_dict_for_loading(mcore, monkeypatch):
+    mcore_fixes.apply_mcore_fixes()
+    module, opt, inner = _distributed_adam(seed=0)
+    sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=True, metadata=METADATA)
+    assert {g["step"] for g in sd["optimizer"]["param_groups"]} == {0}
+
+    _upstream(monkeypatch, "distrib_optimizer_fresh_state_dict")
+    module, opt, _ = _distributed_adam(seed=0)
+    with pytest.raises(AssertionError):
+        opt.sharded_state_dict(module.sharded_state_dict(), is_loading=True, metadata=METADATA)
+
+
+@needs
+def test_fully_reshardable_save_reads_each_state_at_its_buffer_index(mcore, monkeypatch):
+    """The saved Adam moments of every parameter are that parameter's, also behind the first bucket's padding."""
+    mcore_fixes.apply_mcore_fixes()
+    module, opt, inner = _distributed_adam(seed=0, steps=2)
+    want = _adam_state(inner, module)
+
+    def saved():
+        sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=METADATA)
+        out = {}
+        for entry in sd["param_state"].values():
+            name = entry["exp_avg"].key.split("optimizer.state.exp_avg.", 1)[1]
+            out[name] = {k: entry[k].data for k in ("exp_avg", "exp_avg_sq")}
+        return out
+
+    got = saved()
+    assert got.keys() == want.keys()
+    for name in want:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert want[name][k].abs().sum() > 0
+            assert torch.equal(got[name][k], want[name][k]), (name, k)
+
+    _upstream(monkeypatch, "distrib_optimizer_bucket_padding")
+    got = saved()
+    assert not all(torch.equal(got[n]["exp_avg"], want[n]["exp_avg"]) for n in want)
+
+
+@needs
+def test_fully_reshardable_load_restores_the_adam_state(mcore, monkeypatch, tmp_path):
+    """Saved after 2 steps, loaded into a fresh optimizer: the same moments and step count; megatron-core's own
+    copy asks the checkpoint for torch Adam's per-parameter ``step`` (a KeyError)."""
+    from megatron.core import dist_checkpointing
+
+    mcore_fixes.apply_mcore_fixes()
+    module, opt, inner = _distributed_adam(seed=0, steps=2)
+    want = _adam_state(inner, module)
+    sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=METADATA)
+    dist_checkpointing.save({"optimizer": sd}, str(tmp_path))
+
+    def load():
+        module2, opt2, inner2 = _distributed_adam(seed=1)
+        loaded = dist_checkpointing.load(
+            {"optimizer": opt2.sharded_state_dict(module2.sharded_state_dict(), is_loading=True, metadata=METADATA)},
+            str(tmp_path))
+        opt2.load_state_dict(loaded["optimizer"])
+        return module2, inner2
+
+    module2, inner2 = load()
+    got = _adam_state(inner2, module2)
+    for name in want:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[name][k], want[name][k]), (name, k)
+    steps = {float(s["step"]) for s in inner2.optimizer.state.values()}
+    assert steps == {2.0}
+
+    _upstream(monkeypatch, "distrib_optimizer_load_keeps_step")
+    with pytest.raises(KeyError, match="step"):
+        load()
