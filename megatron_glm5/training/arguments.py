@@ -197,7 +197,27 @@ _ARCHITECTURE_FLAGS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", 
                        "moe_ffn_hidden_size", "vocab_size")
 
 
-def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict) -> None:
+def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
+    """--load / --pretrained-checkpoint: Megatron-LM's layout, this architecture
+    (:mod:`megatron_glm5.training.checkpoint_checks`); --load may hold no checkpoint yet."""
+    from megatron_glm5.training.checkpoint_checks import CheckpointDirError, check_architecture, checkpoint_in
+
+    for flag in ("load", "pretrained_checkpoint"):
+        path, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if not path or (flag == "load" and not os.path.exists(path)):
+            continue
+        _require(os.path.isdir(path), name, f"no checkpoint directory at {path}")
+        try:
+            ckpt = checkpoint_in(path)
+            if ckpt is None and flag == "pretrained_checkpoint":
+                raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt)")
+            if ckpt is not None:
+                check_architecture(ckpt, hf)
+        except CheckpointDirError as e:
+            raise ArgumentError(name, str(e)) from None
+
+
+def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict) -> None:
     """The checks Megatron-LM's ``validate_args`` does not make for this model; raises :class:`ArgumentError`."""
     for flag in _ARCHITECTURE_FLAGS:
         want = arch_defaults.get(flag)
@@ -226,13 +246,7 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict) -> None:
     if args.dataset_type == "vqa":
         _require(args.dataloader_type in (None, "external"), "--dataloader-type",
                  "packed image+text rows come from the project's own loader: leave it out (external)")
-    for flag in ("load", "pretrained_checkpoint"):
-        path = getattr(args, flag)
-        if path and os.path.exists(path):
-            _require(os.path.isdir(path), "--" + flag.replace("_", "-"), f"{path} is not a directory")
-    if args.pretrained_checkpoint:
-        _require(os.path.isdir(args.pretrained_checkpoint), "--pretrained-checkpoint",
-                 f"no checkpoint directory at {args.pretrained_checkpoint}")
+    _check_checkpoints(args, hf)
     if args.save and os.path.exists(args.save):
         _require(os.path.isdir(args.save), "--save", f"{args.save} exists and is not a directory")
     if args.eval_interval is None:
@@ -378,7 +392,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
         check_layout_and_schedule(args, config)
-        validate_glm5_args(args, arch)
+        validate_glm5_args(args, arch, hf)
         with contextlib.redirect_stdout(megatron_noise):
             validate_args(args, defaults)
             unset_global_variables()  # a second parse in one process (tests) replaces the first

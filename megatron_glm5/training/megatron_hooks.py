@@ -10,6 +10,9 @@
   weights pair with the right parameters.
 * **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
   layout (megatron-core has none), so that its checkpoints load.
+* **Every checkpoint carries its architecture.** ``hf_config.json`` (the run's HF config) is written into each
+  checkpoint folder Megatron-LM saves: the HF exporter reads it, and so does the ``--load`` check
+  (:mod:`megatron_glm5.training.checkpoint_checks`).
 * **The checkpoint writer's helper process dies with the trainer.** megatron-core's torch_dist writer keeps its
   results queue in a ``multiprocessing`` manager process, started on the first save, that inherits the trainer's
   stdout / stderr and outlives it when the trainer is killed (a ``| tee`` or a launcher then waits forever). The
@@ -23,7 +26,7 @@
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional
 
 _INSTALLED: List[str] = []
 
@@ -102,25 +105,36 @@ def _compile_helpers_unless_shipped(upstream):
     return compile_helpers
 
 
-class _KillAfterSavingIteration:
-    """``megatron.core.dist_checkpointing`` as Megatron-LM's checkpointing sees it under ``--test-kill-during-save N``:
-    the save of iteration N writes its files, then the process is killed (SIGKILL) before Megatron-LM finalises the
-    checkpoint and moves its tracker."""
+class _Glm5DistCheckpointing:
+    """``megatron.core.dist_checkpointing`` as Megatron-LM's checkpointing sees it: ``save`` also writes the run's
+    architecture (``hf_config.json``, what the exporter and the ``--load`` check read) into the checkpoint folder;
+    under ``--test-kill-during-save N`` the save of iteration N writes its files, then the process is killed
+    (SIGKILL) before Megatron-LM finalises the checkpoint and moves its tracker."""
 
-    def __init__(self, module, iteration: int):
-        self._module, self._iteration = module, iteration
+    def __init__(self, module, kill_at: Optional[int] = None):
+        self._module, self.kill_at = module, kill_at
 
     def __getattr__(self, name):
         return getattr(self._module, name)
 
-    def save(self, *args, **kwargs):
+    def save(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        import json
         import os
         import signal
 
+        import torch.distributed as dist
         from megatron.training import get_args
 
-        out = self._module.save(*args, **kwargs)
-        if get_args().curr_iteration + 1 == self._iteration or get_args().iteration == self._iteration:
+        from megatron_glm5.checkpoint.hf_to_mcore import HF_CONFIG_FNAME
+
+        out = self._module.save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        run = get_args()
+        if (not dist.is_initialized() or dist.get_rank() == 0) and getattr(run, "hf_config_dict", None):
+            tmp = os.path.join(checkpoint_dir, HF_CONFIG_FNAME + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(run.hf_config_dict, fh, indent=2)
+            os.replace(tmp, os.path.join(checkpoint_dir, HF_CONFIG_FNAME))
+        if self.kill_at is not None and self.kill_at in (run.curr_iteration + 1, run.iteration):
             os.kill(os.getpid(), signal.SIGKILL)
         return out
 
@@ -129,7 +143,7 @@ def install_test_kill_during_save(iteration: int) -> None:
     """Testing aid (``--test-kill-during-save``): die in the middle of the checkpoint save of ``iteration``."""
     from megatron.training import checkpointing
 
-    checkpointing.dist_checkpointing = _KillAfterSavingIteration(checkpointing.dist_checkpointing, iteration)
+    checkpointing.dist_checkpointing.kill_at = iteration
 
 
 def _die_with_parent() -> None:
@@ -174,6 +188,11 @@ def install() -> None:
     if not getattr(dataset_utils.compile_helpers, "glm5_hook", False):
         dataset_utils.compile_helpers = _compile_helpers_unless_shipped(dataset_utils.compile_helpers)
         _INSTALLED.append("dataset helpers: the wheel's prebuilt helpers_cpp, not rebuilt with make")
+    from megatron.training import checkpointing
+
+    if not isinstance(checkpointing.dist_checkpointing, _Glm5DistCheckpointing):
+        checkpointing.dist_checkpointing = _Glm5DistCheckpointing(checkpointing.dist_checkpointing)
+        _INSTALLED.append("checkpoints: hf_config.json (the architecture) written beside every save")
     if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
         training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
         _INSTALLED.append("optimizer: non-finite steps skipped and counted; fp32 islands in their own param groups "
