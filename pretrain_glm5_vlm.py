@@ -26,6 +26,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
     from megatron_glm5.models.builder import build_model
     from megatron_glm5.training.arguments import model_config_from_args
+    from megatron_glm5.training.flops import register_model_chunk
     from megatron_glm5.training.moe_load_logging import finalize_grads_and_log_expert_loads
 
     args = get_args()
@@ -33,6 +34,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     config = model_config_from_args(args, device)
     config.finalize_model_grads_func = finalize_grads_and_log_expert_loads  # Megatron-LM keeps a func already set
     model = build_model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    register_model_chunk(model)  # --log-throughput counts its weights
     if args.freeze_vision and getattr(model, "vision_model", None) is not None:
         model.vision_model.requires_grad_(False)
     return model
@@ -76,7 +78,12 @@ def get_batch(data_iterator, config) -> dict:
     from megatron_glm5.data.context_parallel import split_batch_for_cp
     from megatron_glm5.models.packing import make_packed_seq_params
 
+    from megatron.training import get_args
+
+    from megatron_glm5.training.flops import record_images
+
     batch = next(data_iterator)
+    record_images(get_args().curr_iteration, batch.get("image_grid_thw"))
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:
         if "cu_seqlens" not in batch:  # plain rows: one document each, laid end to end as one packed row

@@ -54,10 +54,11 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from megatron_glm5.training import megatron_hooks
+    from megatron_glm5.training import flops, megatron_hooks
     from megatron_glm5.training.arguments import parse_args
 
     megatron_hooks.install()
+    flops.install()
     if "RANK" not in os.environ:  # plain `python pretrain_glm5_vlm.py`: a world of one process
         from megatron_glm5.initialize import free_port
 
