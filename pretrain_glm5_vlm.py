@@ -13,10 +13,14 @@ this model: the model provider, the datasets provider, the batch, the loss and t
 
 from __future__ import annotations
 
-import sys
-from functools import partial
+import time
 
-import torch
+_PROGRAM_START = time.time()  # --exit-duration-in-mins counts from here (Megatron-LM's startup timestamps)
+
+import sys  # noqa: E402
+from functools import partial  # noqa: E402
+
+import torch  # noqa: E402
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
     from megatron_glm5.training.entry import run_pretrain
 
     return run_pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
-                        prog="pretrain_glm5_vlm.py")
+                        prog="pretrain_glm5_vlm.py", program_start=_PROGRAM_START)
 
 
 if __name__ == "__main__":

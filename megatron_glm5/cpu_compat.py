@@ -1,4 +1,4 @@
-"""The one place that lets megatron-core 0.16.1 run on a CPU-only machine (tests and the CPU quickstart).
+"""The one place that lets megatron-core run on a CPU-only machine (tests and the CPU quickstart).
 
 megatron-core calls a few CUDA-only APIs unconditionally: ``torch.cuda.current_device()`` as an allocation device,
 ``torch.cuda.Stream``/``Event`` objects in the MoE dispatcher, the CUDA RNG state in its RNG tracker, and literal
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import logging
 
 import torch
@@ -280,8 +281,8 @@ class _InitializeTorch(_CpuFactoryTorch):
 def _install_megatron_training() -> None:
     """Megatron-LM's trainer on the CPU: ``pretrain`` initialises with ``allow_no_cuda=True`` (gloo comes from
     ``--distributed-backend``) and builds the model-parallel groups, its literal CUDA tensors are created on the
-    CPU, the warm-up of its CUDA fusion kernels is skipped, and the CUDA memory statistics it logs read 0 (no CUDA
-    memory is in use)."""
+    CPU, the warm-up of its CUDA fusion kernels is skipped, its argument checks see no GPU architecture, and the CUDA
+    memory statistics it logs read 0 (no CUDA memory is in use)."""
     import importlib
     import sys
 
@@ -308,6 +309,12 @@ def _install_megatron_training() -> None:
         if getattr(module, "torch", None) is torch:
             module.torch = proxy
     initialize.torch = _InitializeTorch(torch)
+    # its argument checks read the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS=1 is required below Blackwell
+    # with TP / CP, for CUDA stream ordering): a CPU has no architecture and no CUDA streams to order
+    from megatron.training import arguments as megatron_arguments
+
+    megatron_arguments.get_device_arch_version = lambda: 0
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     # the warm-up of megatron's CUDA fusion kernels (bias-GeLU, bias-dropout-add) on CUDA tensors: nothing to warm
     training.set_jit_fusion_options = lambda *a, **k: None
     cuda = torch.cuda

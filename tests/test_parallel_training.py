@@ -73,7 +73,7 @@ def data(workdir):
 def _initial_checkpoint(workdir, variant: str):
     """(HF config dir, a dist checkpoint of random initial weights) for a model variant; written once."""
     root = workdir / f"init_{variant}"
-    if (root / "ckpt" / "metadata.json").exists():
+    if (root / "ckpt" / "latest_checkpointed_iteration.txt").exists():
         return root, root / "ckpt"
     from megatron.core import dist_checkpointing
 
@@ -89,9 +89,11 @@ def _initial_checkpoint(workdir, variant: str):
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     model = build_model(Glm5Config.from_hf(hf, use_cpu_initialization=True))
-    (root / "ckpt").mkdir(exist_ok=True)  # megatron-core 0.16.1 saves into an existing directory
-    dist_checkpointing.save(model.sharded_state_dict(), str(root / "ckpt"))
-    (root / "ckpt" / "hf_config.json").write_text(json.dumps(hf))
+    # Megatron-LM's layout of converted weights: a 'release' checkpoint named by the tracker
+    (root / "ckpt" / "release").mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(root / "ckpt" / "release"))
+    (root / "ckpt" / "release" / "hf_config.json").write_text(json.dumps(hf))
+    (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text("release")
     return root, root / "ckpt"
 
 
@@ -114,7 +116,7 @@ def _common(hf, data, optimizer: str):
             "--tokenizer-model", str(data), "--split", "1,0,0", "--seq-length", "48", "--micro-batch-size", "1",
             "--global-batch-size", "4", "--train-iters", str(STEPS), "--lr-decay-style", "constant",
             "--clip-grad", "0", "--weight-decay", "0", "--moe-aux-loss-coeff", "1e-2",
-            "--moe-router-bias-update-rate", "1e-2"] + OPTIMIZERS[optimizer]
+            "--moe-router-bias-update-rate", "1e-2", "--eval-iters", "0"] + OPTIMIZERS[optimizer]
 
 
 def _train(workdir, data, name: str, variant: str, flags, nproc: int, optimizer: str = "sgd"):

@@ -349,3 +349,54 @@ def test_converted_hf_checkpoint_first_step_loss_equals_hf_forward(tmp_path):
     ce = torch.nn.functional.cross_entropy(logits.double(), labels, reduction="none")
     ref = float((ce * mask).sum() / mask.sum())
     assert abs(train_loss - ref) <= 1e-5 * abs(ref), (train_loss, ref)
+
+
+def _final_state(path):
+    return {k: v for k, v in read_dist_checkpoint(str(path)).items()}
+
+
+@pytest.mark.parametrize("how", ["sigterm", "duration"])
+def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how):
+    """A Slurm-style preemption: SIGTERM under --exit-signal-handler (or --exit-duration-in-mins running out) saves a
+    checkpoint and exits 0, leaving no process behind; the same command with --load continues from it to the same
+    weights and optimizer state, bit for bit, as a run that was never stopped."""
+    import signal
+    import time
+
+    steps = 12
+    common = TINY + ["--mock-data", "--train-iters", str(steps), "--save-interval", "100"]
+    straight = run(common + ["--save", str(tmp_path / "a")])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    if how == "sigterm":
+        cmd = [sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py"), "--exit-signal-handler"]
+    else:  # the program "started" 61 minutes ago: --exit-duration-in-mins 60 ends it after its first iteration
+        script = tmp_path / "started_an_hour_ago.py"
+        script.write_text("import sys\nimport pretrain_glm5_vlm as P\nP._PROGRAM_START -= 61 * 60\n"
+                          "sys.exit(P.main())\n")
+        cmd = [sys.executable, str(script), "--exit-duration-in-mins", "60"]
+    cmd += common + ["--save", str(tmp_path / "b")]
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if how == "sigterm" and "iteration        2/" in line:
+            proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 0, err[-3000:]
+    stopped_at = int((tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= stopped_at < steps, "".join(out)[-2000:]
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+    left = [ln for ln in ps.splitlines() if ln.split()[1][0] != "Z"]  # exited, not yet reaped by init: gone
+    assert left == [], left  # nothing of the run's session is still alive
+
+    resumed = run(common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _final_state(tmp_path / "a" / f"iter_{steps:07d}"), _final_state(tmp_path / "b" / f"iter_{steps:07d}")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []

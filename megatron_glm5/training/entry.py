@@ -39,7 +39,12 @@ def _last_checkpoint(save: Optional[str]) -> str:
 
 
 def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable,
-                 argv: Optional[List[str]] = None, prog: str = "pretrain_glm5_vlm.py") -> int:
+                 argv: Optional[List[str]] = None, prog: str = "pretrain_glm5_vlm.py",
+                 program_start: Optional[float] = None) -> int:
+    """Run Megatron-LM's ``pretrain`` with these providers; returns the exit status. ``program_start``: when the
+    program started (``time.time()``), from which ``--exit-duration-in-mins`` counts."""
+    import time
+
     _quiet_megatron()
     import torch
 
@@ -72,6 +77,9 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     print_rank_0(megatron_hooks.describe())
     if args.test_kill_during_save is not None:
         megatron_hooks.install_test_kill_during_save(args.test_kill_during_save)
+    from megatron.training.training import set_startup_timestamps
+
+    set_startup_timestamps(program_start=program_start, main_entry=time.time())
     cfg = pretrain_cfg_container_from_args(args)
     try:
         pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
