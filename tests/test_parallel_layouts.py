@@ -6,11 +6,15 @@ them, runs the same global batch of packed multimodal rows (split over its data-
 DDP, and saves its reduced gradients. Per micro-batch 'lm loss' and the gradient of every parameter must match
 the reference to a relative 1e-5, the gradient measured against the largest gradient of the module that owns it
 (mHC base / scale gradients are sums with heavy cancellation: between two one-rank runs that differ only in the
-BLAS thread count they move by ~4e-5 of themselves; per tensor they must stay within 1e-3); gradients of
-TP-replicated parameters must agree on all TP ranks.
+BLAS thread count they move by ~4e-5 of themselves; per tensor they must stay within 1e-3). The second mHC site
+of a layer whose streams are then averaged (the last decoder layer, the MTP layer) is within 5e-5: the stream mean
+does not depend on a doubly stochastic comb, so the comb rows of its fn gradient cancel to rounding (6e-6 of the
+module's peak between one-rank runs on 1 and 2 threads, 1.2e-5 at ep2_etp2). Gradients of TP-replicated parameters
+must agree on all TP ranks.
 Layouts that do not divide are refused with one line before any work.
 """
 
+import re
 import time
 
 import pytest
@@ -31,6 +35,7 @@ from parallel_harness import (
 
 N_MICRO = 4
 RTOL = 1e-5
+MEAN_FED_RTOL = 5e-5  # the second mHC site of the layers whose streams are averaged (module docstring)
 
 
 def _hf_config(dense: bool = False) -> dict:
@@ -118,7 +123,12 @@ def test_layout_matches_one_rank(name, references, tmp_path, mcore):
     got = read_tensors(str(tmp_path / "grads"))
     all_keys = sorted(set().union(*(r["keys"] for r in results)))
     assert all_keys == sorted(keys), set(all_keys) ^ set(keys)
-    grad_rel, worst, rel = compare(ref_grads, got, keys)
+    _, _, rel = compare(ref_grads, got, keys)
+    last = _hf_config()["text_config"]["num_hidden_layers"] - 1
+    mean_fed = re.compile(rf"(decoder\.layers\.{last}|mtp\.layers\.\d+\.transformer_layer)\.ffn_hc\.")
+    worst = max((k for k in rel if not mean_fed.match(k)), key=lambda k: rel[k][1])
+    grad_rel = rel[worst][1]
+    mean_fed_worst = max((k for k in rel if mean_fed.match(k)), key=lambda k: rel[k][1])
     tensor_worst = max(rel, key=lambda k: rel[k][0])
     tp_mis = max(r["tp_mismatch"] for r in results)
     # megatron's finalize_model_grads moved every router's expert bias by the token counts all-reduced over
@@ -126,12 +136,14 @@ def test_layout_matches_one_rank(name, references, tmp_path, mcore):
     bias_keys = [k for k in ref_grads if k.endswith("router.expert_bias")]
     bias_diff = max((float((ref_grads[k] - got[k]).abs().max()) for k in bias_keys), default=0.0)
     print(f"\n[{name}] world {layout.world} (dp {layout.dp}): max rel loss diff {loss_rel:.2e}; grads of {len(keys)} "
-          f"tensors: max rel diff {grad_rel:.2e} module-scaled ({worst}), {rel[tensor_worst][0]:.2e} per tensor "
+          f"tensors: max rel diff {grad_rel:.2e} module-scaled ({worst}), {rel[mean_fed_worst][1]:.2e} at the "
+          f"mean-fed mHC sites ({mean_fed_worst}), {rel[tensor_worst][0]:.2e} per tensor "
           f"({tensor_worst}); TP-replica grad mismatch {tp_mis:.1e}; expert-bias update diff {bias_diff:.0e}; "
           f"{wall:.1f} s")
     assert kind == "dense" or (bias_keys and float(ref_grads[bias_keys[0]].abs().max()) > 0)
     assert bias_diff == 0.0, bias_diff
     assert loss_rel <= RTOL
     assert grad_rel <= RTOL, worst
+    assert rel[mean_fed_worst][1] <= MEAN_FED_RTOL, mean_fed_worst
     assert rel[tensor_worst][0] <= 100 * RTOL, tensor_worst  # only cancellation-heavy sums (mHC base / scale) > RTOL
     assert tp_mis <= RTOL

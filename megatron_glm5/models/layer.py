@@ -52,13 +52,16 @@ def _build_attention(spec, config, layer_number, pg_collection):
 
 
 class Glm5TransformerLayer(MegatronModule):
-    """One decoder layer. ``layer_number`` is 1-based and global (megatron convention)."""
+    """One decoder layer. ``layer_number`` is 1-based and global (megatron convention); in megatron's MTP layer
+    (``is_mtp_layer``) it is the MTP depth, and the MoE router logs its losses after the decoder layers' (megatron's
+    ``TransformerLayer`` contract)."""
 
     def __init__(self, config, submodules: Glm5LayerSubmodules, layer_number: int = 1, vp_stage=None,
-                 pg_collection=None, **kwargs):
+                 pg_collection=None, is_mtp_layer: bool = False, **kwargs):
         super().__init__(config=config)
         self.submodules_config = submodules
         self.layer_number = layer_number
+        self.is_mtp_layer = is_mtp_layer
         self.hc_mult = config.hc_mult
         self.attn_hc = build_module(submodules.attn_hc, config=config, layer_number=layer_number)
         self.input_layernorm = build_module(submodules.input_layernorm, config=config,
@@ -73,9 +76,10 @@ class Glm5TransformerLayer(MegatronModule):
         mlp_spec = submodules.mlp
         if isinstance(mlp_spec, ModuleSpec) and "MoELayer" in mlp_spec.module.__name__:
             self.mlp = build_module(mlp_spec, config=config, layer_number=layer_number,
-                                    pg_collection=pg_collection)
+                                    pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         else:
-            self.mlp = build_module(mlp_spec, config=config)
+            self.mlp = build_module(mlp_spec, config=config, ffn_hidden_size=config.ffn_hidden_size,
+                                    tp_group=None if pg_collection is None else pg_collection.tp)
         if hasattr(self.mlp, "set_layer_number"):  # the MoE router logs its aux loss per layer (megatron contract)
             self.mlp.set_layer_number(layer_number)
         # config.moe_cuda_graph: the MLP half of an MoE layer (its mHC input side, norm, MoE layer and mHC output
