@@ -55,6 +55,12 @@ BASE = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size
     (["--mock-data", "--lr-decay-style", "sideways"], "--lr-decay-style"),
     (["--mock-data", "--hf-config", "/nonexistent"], "--hf-config"),
     (["--mock-data", "--finetune"], "--finetune"),
+    (["--mock-data", "--tensor-model-parallel-size", "2"], "--sequence-parallel"),  # MoE + TP needs SP
+    (["--mock-data", "--save", "/tmp/x"], "--save-interval"),
+    (["--mock-data", "--eval-iters", "5"], "--eval-interval"),
+    (["--mock-data", "--hidden-size", "72"], "--hidden-size"),  # contradicts the architecture
+    (["--mock-data", "--no-such-flag"], "--no-such-flag"),
+    (["--mock-data", "--pretrained-checkpoint", "/nonexistent"], "--pretrained-checkpoint"),
 ])
 def test_bad_combination_is_one_line_and_exit_2(capsys, extra, flag):
     from megatron_glm5.training.arguments import parse_args
@@ -372,8 +378,8 @@ def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how):
         cmd = [sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py"), "--exit-signal-handler"]
     else:  # the program "started" 61 minutes ago: --exit-duration-in-mins 60 ends it after its first iteration
         script = tmp_path / "started_an_hour_ago.py"
-        script.write_text("import sys\nimport pretrain_glm5_vlm as P\nP._PROGRAM_START -= 61 * 60\n"
-                          "sys.exit(P.main())\n")
+        script.write_text("import sys\nimport pretrain_glm5_vlm as P\n\nif __name__ == '__main__':\n"
+                          "    P._PROGRAM_START -= 61 * 60\n    sys.exit(P.main())\n")
         cmd = [sys.executable, str(script), "--exit-duration-in-mins", "60"]
     cmd += common + ["--save", str(tmp_path / "b")]
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -400,3 +406,18 @@ def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how):
     a, b = _final_state(tmp_path / "a" / f"iter_{steps:07d}"), _final_state(tmp_path / "b" / f"iter_{steps:07d}")
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_pipeline_stages_start_from_different_weights(tmp_path):
+    """PP 2 from scratch: Megatron-LM seeds each pipeline rank differently, so the first KDA layer of stage 1
+    (layer 2) does not start as a copy of the first KDA layer of stage 0 (layer 0)."""
+    proc = run(TINY + ["--mock-data", "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0",
+                       "--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--save", str(tmp_path / "ck"),
+                       "--save-interval", "100"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sd = read_dist_checkpoint(str(tmp_path / "ck" / "iter_0000001"))
+    first = {k.split("layers.0.", 1)[1]: v for k, v in sd.items()
+             if k.startswith("decoder.layers.0.self_attention.") and v.dim() == 2}
+    assert first
+    for name, w in first.items():
+        assert not torch.equal(w, sd["decoder.layers.2." + name]), name
