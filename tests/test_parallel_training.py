@@ -207,7 +207,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_dp2(workdir, data, mcore):
 
 
 @pytest.mark.parametrize("flags, world, needle", [
-    (["--tensor-model-parallel-size", "3"], 3, "tensor_model_parallel_size"),
+    (["--tensor-model-parallel-size", "3", "--sequence-parallel"], 3, "tensor_model_parallel_size"),
     (["--expert-model-parallel-size", "3"], 3, "expert_model_parallel_size"),
     (["--pipeline-model-parallel-size", "3"], 3, "decoder layers"),
 ])
@@ -215,7 +215,8 @@ def test_layout_that_does_not_divide_is_refused(flags, world, needle, tmp_path):
     """Heads / experts / layers that do not divide by the layout: one 'error: model config: ...' line, exit 2,
     before the process group or the model exist (WORLD_SIZE as torchrun would set it)."""
     proc = run(["--model-preset", "glm5-tiny", "--mock-data", "--seq-length", "32", "--train-iters", "2", "--lr",
-                "1e-3", "--num-layers", "4", "--tensorboard-dir", str(tmp_path / "tb")] + flags,
+                "1e-3", "--num-layers", "4", "--eval-iters", "0", "--micro-batch-size", "1",
+                "--tensorboard-dir", str(tmp_path / "tb")] + flags,
                env={"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
     lines = error_lines(proc)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]

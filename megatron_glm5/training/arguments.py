@@ -313,7 +313,9 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     for flag in ("micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "expert_model_parallel_size", "context_parallel_size", "log_interval"):
-        _require(getattr(args, flag) >= 1, "--" + flag.replace("_", "-"), "must be >= 1")
+        value = getattr(args, flag)
+        _require(value is not None and value >= 1, "--" + flag.replace("_", "-"),
+                 "required, >= 1" if value is None else "must be >= 1")
     _require(args.world_size % (tp * pp * cp) == 0, "--tensor-model-parallel-size",
              f"world size {args.world_size} is not divisible by TP {tp} x PP {pp} x CP {cp}")
     dp = args.world_size // (tp * pp * cp)
@@ -347,6 +349,22 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     _require(not (args.pipeline_model_parallel_layout and (args.decoder_first_pipeline_num_layers is not None
                                                            or args.decoder_last_pipeline_num_layers is not None)),
              "--pipeline-model-parallel-layout", "give either a layout or --decoder-first/last-pipeline-num-layers")
+
+
+# config fields that a message may name, and the flags that set them
+_FIELD_FLAGS = {
+    "num_layers_in_first_pipeline_stage": "--decoder-first-pipeline-num-layers",
+    "num_layers_in_last_pipeline_stage": "--decoder-last-pipeline-num-layers",
+    "num_layers_per_virtual_pipeline_stage": "--num-layers-per-virtual-pipeline-stage",
+    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
+}
+
+
+def _flag_names(message: str) -> str:
+    """``message`` with the config fields that flags set named as those flags."""
+    for field_name, flag in _FIELD_FLAGS.items():
+        message = message.replace(field_name, flag)
+    return message
 
 
 def _megatron_check(e: BaseException) -> str:
@@ -393,6 +411,11 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
                 setattr(args, key, value)
         check_layout_and_schedule(args, config)
         validate_glm5_args(args, arch, hf)
+        args.hf_config_dict = hf
+        try:  # the parallel layout against the model (heads, experts, layers per stage)
+            model_config_from_args(args, "cpu")
+        except (ValueError, TypeError, AssertionError) as e:
+            raise ArgumentError("model config", _flag_names(one_line(e))) from None
         with contextlib.redirect_stdout(megatron_noise):
             validate_args(args, defaults)
             unset_global_variables()  # a second parse in one process (tests) replaces the first
@@ -402,7 +425,6 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
     except (AssertionError, ValueError, RuntimeError) as e:
         fail(_megatron_check(e), prog)
     sys.stdout.write(megatron_noise.getvalue())
-    args.hf_config_dict = hf
     return args
 
 
@@ -420,7 +442,7 @@ def model_config_from_args(args, device: str):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
