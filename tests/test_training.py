@@ -59,6 +59,7 @@ BASE = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size
     (["--mock-data", "--save", "/tmp/x"], "--save-interval"),
     (["--mock-data", "--eval-iters", "5"], "--eval-interval"),
     (["--mock-data", "--hidden-size", "72"], "--hidden-size"),  # contradicts the architecture
+    (["--mock-data", "--lr-warmup-iters", "2"], "--lr-warmup-iters"),  # not below the 2 decay iterations
     (["--mock-data", "--no-such-flag"], "--no-such-flag"),
     (["--mock-data", "--pretrained-checkpoint", "/nonexistent"], "--pretrained-checkpoint"),
 ])
@@ -443,3 +444,41 @@ def test_async_save_writes_the_synchronous_checkpoint_and_a_kill_keeps_the_previ
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = _final_state(tmp_path / "sync" / "iter_0000004"), _final_state(tmp_path / "k" / "iter_0000004")
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_checkpoint_is_megatron_lms_own(tmp_path, mcore):
+    """A checkpoint of the trainer is Megatron-LM's: its tracker and iter folder, the common state megatron-core's
+    dist_checkpointing reads (args, iteration, scheduler, optimizer and rerun-machine state), and model weights that
+    dist_checkpointing.load puts into a freshly built model of the same architecture."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_glm5.config import Glm5Config, tiny_hf_config
+    from megatron_glm5.models.builder import build_model
+
+    proc = run(TINY + ["--mock-data", "--train-iters", "3", "--save", str(tmp_path / "ck"), "--save-interval", "2",
+                       "--exit-interval", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    ckpt = str(tmp_path / "ck" / "iter_0000002")
+    common = dist_checkpointing.load_common_state_dict(ckpt)
+    assert common["iteration"] == 2 and common["checkpoint_version"] >= 3.0
+    assert common["args"].tensor_model_parallel_size == 1 and common["args"].micro_batch_size == 2
+    assert {"opt_param_scheduler", "optimizer", "rerun_state_machine"} <= set(common)
+    assert json.loads((tmp_path / "ck" / "iter_0000002" / "hf_config.json").read_text()) == tiny_hf_config(mtp=True)
+
+    model = build_model(Glm5Config.from_hf(tiny_hf_config(mtp=True), use_cpu_initialization=True))
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
+    model.load_state_dict(loaded, strict=False)
+    saved = read_dist_checkpoint(ckpt)
+    checked = 0
+    for key, value in model.sharded_state_dict().items():
+        tensor = getattr(value, "data", None)
+        if not (isinstance(tensor, torch.Tensor) and hasattr(value, "global_offset") and value.key in saved
+                and value.key.startswith("decoder.")):
+            continue
+        want = saved[value.key]
+        if want.dim() == tensor.dim() + 1:  # one expert of the [experts, ...] global tensor
+            want = want[value.global_offset[0]]
+        assert torch.equal(tensor, want), key
+        checked += 1
+    assert checked >= 20

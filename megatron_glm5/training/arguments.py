@@ -335,6 +335,11 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
              "required, >= 1 (or --train-samples)")
     _require(args.lr is not None and args.lr >= 0, "--lr", "required, >= 0")
     _require(0 <= args.min_lr <= args.lr, "--min-lr", f"must lie in [0, --lr={args.lr}]")
+    if args.train_iters and args.lr_warmup_fraction is None:
+        decay = args.lr_decay_iters or args.train_iters
+        _require(args.lr_warmup_iters < decay, "--lr-warmup-iters",
+                 f"{args.lr_warmup_iters} must be below the decay iterations ({decay}; --lr-decay-iters defaults to "
+                 f"--train-iters)")
     if args.recompute_method is not None:
         _require(args.recompute_granularity == "full", "--recompute-method", "needs --recompute-granularity full")
     if args.save_interval is not None:
