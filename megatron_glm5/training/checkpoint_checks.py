@@ -12,49 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 from megatron_glm5.checkpoint.hf_to_mcore import HF_CONFIG_FNAME
-
-TRACKER = "latest_checkpointed_iteration.txt"
+# the tracker logic lives with the checkpoint code; re-exported here for the argument checks
+from megatron_glm5.checkpoint.megatron_layout import TRACKER_FILE as TRACKER  # noqa: F401
+from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, checkpoint_in  # noqa: F401
 
 # the HF config fields that change the checkpoint's tensors
 ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "n_routed_experts",
                      "moe_intermediate_size", "intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                      "v_head_dim", "linear_num_heads", "linear_head_dim", "hc_mult", "index_n_heads", "index_head_dim",
                      "layer_types", "mlp_layer_types", "n_shared_experts")
-
-
-class CheckpointDirError(ValueError):
-    """A --load / --pretrained-checkpoint directory Megatron-LM would misread; the message says why."""
-
-
-def checkpoint_in(root: str) -> Optional[str]:
-    """The checkpoint directory ``root``'s tracker names, None when ``root`` holds no tracker; raises
-    :class:`CheckpointDirError` for a tracker that names nothing readable, or files of a checkpoint without one."""
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
-        if os.path.isfile(os.path.join(root, "metadata.json")) or os.path.isfile(os.path.join(root, ".metadata")):
-            parent = os.path.dirname(os.path.abspath(root))
-            hint = (f"give {parent}, whose tracker names it" if os.path.isfile(os.path.join(parent, TRACKER))
-                    else f"it has no {TRACKER} (Megatron-LM would start from random weights)")
-            raise CheckpointDirError(f"{root} is a checkpoint's own folder: {hint}")
-        return None
-    try:
-        with open(tracker, encoding="utf-8") as fh:
-            name = fh.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointDirError(f"{tracker}: unreadable ({e})") from None
-    if name == "release":
-        folder = "release"
-    elif name.isascii() and name.isdigit():
-        folder = f"iter_{int(name):07d}"
-    else:
-        raise CheckpointDirError(f"{tracker}: expected an iteration number or 'release', got {name[:40]!r}")
-    path = os.path.join(root, folder)
-    if not os.path.isdir(path):
-        raise CheckpointDirError(f"{tracker} names {folder}, which is not in {root}")
-    return path
 
 
 def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
