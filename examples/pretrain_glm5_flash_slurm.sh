@@ -3,38 +3,48 @@
 # rendezvous on the first node.
 #
 #   sbatch --nodes 8 --gpus-per-node 8 examples/pretrain_glm5_flash_slurm.sh DATA_PREFIX TOKENIZER_DIR OUT_DIR
+#   DRY_RUN=1 NNODES=8 bash examples/pretrain_glm5_flash_slurm.sh ...   # check the flags on any machine, no GPUs
 #
-# Recommended starting layout for the released model on 64 H200 (8 nodes), 4K context:
-#   PP 4 with uneven stages (12 / 12 / 12 / 9 decoder layers: the last stage also holds the MTP layer and the loss),
-#   EP 16 (288 experts -> 18 per rank), ETP 1, TP 1, DP 16, distributed optimizer, full recompute.
-#   Per GPU: ~5B expert + ~2B dense parameters -> bf16 weights + fp32 grads ~42 GB, Adam + fp32 master ~60 GB
-#   (experts are not data-parallel at this layout, so their optimizer state is not sharded): ~100 GB before
-#   activations. On 80 GB H100s use 128 GPUs with EP 32. 128K context adds CP 8 (packed, contiguous).
+# The layout is what `python scripts/plan_layout.py --gpus 64 --seq-length 4096 --global-batch-size 1024 --search`
+# ranks first for the released model on 64 H200 (8 nodes), 4K context: TP 4 with sequence parallelism, PP 8 with two
+# virtual stages per rank (the planner's pipeline layout string: embedding + 2 layers first, the MTP layer and the
+# loss last), EP 8, ETP 1, DP 2, distributed optimizer, selective recompute (the mixers' internals); ~119 GB on the
+# fullest stage. Run the planner again for other GPU counts, context lengths or H100s (--gpu h100).
+# Preemption: Slurm's SIGTERM is caught (--exit-signal-handler), a checkpoint saved, and the same script resumes.
 #SBATCH --job-name=glm5-flash
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
+#SBATCH --signal=TERM@120
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 DATA=${1:?indexed data prefix}; TOK=${2:?tokenizer dir}; OUT=${3:-outputs/flash}
-HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 GPUS=${GPUS_PER_NODE:-8}
+NNODES=${SLURM_NNODES:-${NNODES:-8}}
+PY=${PYTHON:-python}
 
+ARGS=(
+    --model-preset glm5-flash
+    --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 8
+    --pipeline-model-parallel-layout 'Et*2|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*2|t*2mL'
+    --expert-model-parallel-size 8 --expert-tensor-parallel-size 1
+    --use-distributed-optimizer --recompute-granularity selective
+    --overlap-grad-reduce --bf16
+    --data-path "$DATA" --tokenizer-model "$TOK" --split 969,30,1
+    --seq-length 4096 --micro-batch-size 1 --global-batch-size 1024
+    --train-iters 100000 --lr 2.2e-4 --min-lr 2.2e-5 --lr-decay-style cosine --lr-warmup-iters 2000
+    --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
+    --moe-aux-loss-coeff 1e-4 --moe-router-bias-update-rate 1e-3
+    --mtp-num-layers 1 --mtp-loss-scaling-factor 0.3
+    --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 1000 --exit-signal-handler
+    --eval-interval 1000 --eval-iters 20
+    --tensorboard-dir "$OUT/tensorboard" --log-interval 10 --log-throughput
+)
+if [ -n "${DRY_RUN:-}" ]; then  # Megatron-LM's argument checks and ours, for the world this job would have
+    exec env WORLD_SIZE=$((NNODES * GPUS)) RANK=0 LOCAL_RANK=0 MEGATRON_GLM5_CHECK_ARGS=1 "$PY" pretrain_glm5_vlm.py "${ARGS[@]}"
+fi
+HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # TP / CP communication ordering (Megatron-LM, Hopper)
 srun --kill-on-bad-exit=1 torchrun \
-    --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS" \
+    --nnodes "$NNODES" --nproc-per-node "$GPUS" \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD:29500" --rdzv-id "$SLURM_JOB_ID" \
-    pretrain_glm5_vlm.py \
-    --model-preset glm5-flash \
-    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 \
-    --decoder-first-pipeline-num-layers 12 --decoder-last-pipeline-num-layers 9 \
-    --expert-model-parallel-size 16 --expert-tensor-parallel-size 1 \
-    --use-distributed-optimizer --overlap-grad-reduce --bf16 \
-    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
-    --data-path "$DATA" --tokenizer-model "$TOK" --split 969,30,1 \
-    --seq-length 4096 --micro-batch-size 1 --global-batch-size 1024 \
-    --train-iters 100000 --lr 2.2e-4 --min-lr 2.2e-5 --lr-decay-style cosine --lr-warmup-iters 2000 \
-    --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 \
-    --moe-aux-loss-coeff 1e-4 --moe-router-bias-update-rate 1e-3 \
-    --mtp-num-layers 1 --mtp-loss-scaling-factor 0.3 \
-    --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 1000 \
-    --eval-interval 1000 --eval-iters 20 \
-    --tensorboard-dir "$OUT/tensorboard" --log-interval 10
+    pretrain_glm5_vlm.py "${ARGS[@]}"

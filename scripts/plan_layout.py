@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import math
 import os
 import sys
@@ -426,7 +427,27 @@ def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]]
         "total_params_b": sum(v.total() for k, v in params.items() if not k.startswith(("kda", "dsa")))
         / 1e9 + sum(params[layer_kind(cfg, i)].total() for i in range(n_layers)) / 1e9,
         "active_params_b": active / 1e9,
+        "distributed_optimizer": plan.distributed_optimizer,
     }
+
+
+def pretrain_flags(r: dict) -> List[str]:
+    """The ``pretrain_glm5_vlm.py`` flags of a planned layout (its parallel sizes, pipeline layout, recompute)."""
+    L, B = r["layout"], r["batch"]
+    flags = ["--tensor-model-parallel-size", str(L["tp"])] + (["--sequence-parallel"] if L["sp"] and L["tp"] > 1 else [])
+    flags += ["--pipeline-model-parallel-size", str(L["pp"])]
+    if L["pipeline_layout"] and L["pp"] > 1:
+        flags += ["--pipeline-model-parallel-layout", L["pipeline_layout"]]
+    flags += ["--expert-model-parallel-size", str(L["ep"]), "--expert-tensor-parallel-size", str(L["etp"])]
+    if L["cp"] > 1:
+        flags += ["--context-parallel-size", str(L["cp"])]
+    if r.get("distributed_optimizer", True):
+        flags += ["--use-distributed-optimizer"]
+    if B["recompute"] == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    elif B["recompute"] == "full":
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return flags
 
 
 def _fmt(r: dict) -> str:
@@ -451,6 +472,8 @@ def _fmt(r: dict) -> str:
     tm = r["time_s"]
     lines.append("time per step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in tm.items())
                  + f"  ->  {r['tokens_per_s_per_gpu']:.0f} tokens/s/GPU")
+    lines.append("pretrain_glm5_vlm.py flags: " + " ".join(
+        f"'{f}'" if "|" in f or "*" in f else f for f in r["flags"]))
     return "\n".join(lines)
 
 
@@ -519,6 +542,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # megatron-core's layout parser logs every layout
 
     from megatron_glm5.config import PRESETS, Glm5ConfigError
 
@@ -535,6 +559,8 @@ def main(argv=None) -> int:
                     recompute=args.recompute, gpu=args.gpu, distributed_optimizer=not args.no_distributed_optimizer,
                     mfu=args.mfu)
         results = search(base_hf, plan) if args.search else [estimate(base_hf, plan)]
+        for r in results:
+            r["flags"] = pretrain_flags(r)
     except (Glm5ConfigError, ValueError, OSError, AssertionError) as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -459,6 +459,7 @@ def model_config_from_args(args, device: str):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,

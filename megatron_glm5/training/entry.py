@@ -72,6 +72,11 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     args = parse_args(argv, prog)
     from megatron.training.utils import print_rank_0
 
+    if os.environ.get("MEGATRON_GLM5_CHECK_ARGS") == "1":  # the examples' DRY_RUN: the flags only
+        print(f"{prog}: the arguments pass Megatron-LM's checks and this model's for a world of {args.world_size} "
+              f"(TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, EP "
+              f"{args.expert_model_parallel_size}, CP {args.context_parallel_size}, DP {args.data_parallel_size})")
+        return 0
     if args.save:
         megatron_hooks.install_checkpoint_writer_queue()
     print_rank_0(megatron_hooks.describe())
