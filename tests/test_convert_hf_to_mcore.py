@@ -1,6 +1,8 @@
-"""HF -> megatron-core torch_dist converter: bitwise equal to the single-process HF loader, same files and layout as
-megatron's own save, fp32 logits equal to tools/hf_forward.py, loads at TP=2 / EP=2 / PP=2, --workers 2 equals
---workers 1, and bad inputs exit 2 with one line and leave nothing behind."""
+"""HF -> megatron-core torch_dist converter: Megatron-LM's layout of converted weights (OUT/latest_checkpointed_
+iteration.txt = release, read by Megatron-LM's own tracker code; OUT/release the checkpoint), bitwise equal to the
+single-process HF loader, same files and layout as megatron's own save, fp32 logits equal to tools/hf_forward.py,
+loads at TP=2 / EP=2 / PP=2, --workers 2 equals --workers 1, and bad inputs exit 2 with one line and leave nothing
+behind."""
 
 import json
 import os
@@ -72,14 +74,16 @@ def _copy_ckpt(src, dst, mutate=None, mutate_cfg=None):
 # --------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, mcore):
-    """The tiny FP8 + MTP HF checkpoint and its bf16 / fp32 conversions (1 process)."""
+    """The tiny FP8 + MTP HF checkpoint and its bf16 / fp32 conversions (1 process): "bf16_out" is the converter's
+    OUT, "bf16" / "fp32" the checkpoint folders OUT/release."""
     from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
 
     root = tmp_path_factory.mktemp("convert")
     hf = write_checkpoint(str(root / "hf_fp8"), tiny_hf_config(mtp=True), fmt="fp8", mtp=True, seed=11)
     assert _convert(hf, root / "bf16") == 0
     assert _convert(hf, root / "fp32", "--dtype", "fp32") == 0
-    return {"hf": hf, "bf16": str(root / "bf16"), "fp32": str(root / "fp32"), "root": root}
+    return {"hf": hf, "bf16": str(root / "bf16" / "release"), "fp32": str(root / "fp32" / "release"), "root": root,
+            "bf16_out": str(root / "bf16")}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +106,9 @@ def test_bf16_checkpoint_loads_bitwise_like_hf_loader(ckpts, reference):
     assert out["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
     assert out["mtp.layers.0.eh_proj.weight"].dtype == torch.bfloat16
 
+    assert sorted(os.listdir(ckpts["bf16_out"])) == ["latest_checkpointed_iteration.txt", "release"]
+    with open(os.path.join(ckpts["bf16_out"], "latest_checkpointed_iteration.txt")) as fh:
+        assert fh.read() == "release"
     files = sorted(os.listdir(ckpts["bf16"]))
     assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "checksums.sha256", "conversion_info.json",
                      "hf_config.json", "metadata.json"]
@@ -111,11 +118,40 @@ def test_bf16_checkpoint_loads_bitwise_like_hf_loader(ckpts, reference):
         info = json.load(fh)
     assert info["dtype"] == "bf16" and info["layout"] == {"tp": 1, "pp": 1, "ep": 1}
     assert info["source"] == os.path.abspath(ckpts["hf"]) and info["tensor_bytes"] > 0
+    assert info["hf_assets"] == []  # the tiny HF checkpoint has no tokenizer (test_convert_mcore_to_hf adds one)
     assert not [f for f in os.listdir(ckpts["root"]) if f.startswith(".")]  # no temporary folder left
     # the meta-device build leaked no meta tensor into megatron's module-level state (later real backward passes)
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     assert MTPLossAutoScaler.main_loss_backward_scale.device.type == "cpu"
+
+
+def test_megatron_lm_reads_the_tracker_and_loads_release(ckpts):
+    """Megatron-LM's own checkpointing code reads OUT as a release checkpoint (what --pretrained-checkpoint OUT
+    --finetune does): its tracker parser gives release, its checkpoint name is OUT/release, and megatron-core's
+    dist_checkpointing.load fills a freshly built model from there with no missing or unexpected key; our readers
+    take OUT and OUT/release alike."""
+    from megatron.core import dist_checkpointing
+    from megatron.training.checkpointing import (checkpoint_exists, get_checkpoint_name,
+                                                 get_checkpoint_tracker_filename, read_metadata)
+
+    from megatron_glm5.checkpoint.megatron_layout import checkpoint_in, resolve_checkpoint_dir
+
+    out = ckpts["bf16_out"]
+    assert checkpoint_exists(out)
+    iteration, release = read_metadata(get_checkpoint_tracker_filename(out))
+    assert (iteration, release) == (0, True)
+    name = get_checkpoint_name(out, iteration, release, return_base_dir=True)
+    assert os.path.realpath(name) == os.path.realpath(ckpts["bf16"])
+    assert dist_checkpointing.check_is_distributed_checkpoint(name)
+    model = _build(ckpts["hf"])
+    before = {k: v.clone() for k, v in _tensors(model).items()}
+    sd = dist_checkpointing.load(model.sharded_state_dict(), name, strict="raise_all")
+    model.load_state_dict(sd, strict=True)
+    after = _tensors(model)
+    assert sum(not torch.equal(before[k], after[k]) for k in after) > 0.9 * len(after)  # weights came from OUT
+    assert checkpoint_in(out) == resolve_checkpoint_dir(out) == os.path.join(out, "release")
+    assert resolve_checkpoint_dir(ckpts["bf16"]) == ckpts["bf16"]
 
 
 def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
@@ -252,8 +288,8 @@ def test_loads_at_tp2_ep2_pp2(ckpts, reference, tmp_path):
 def test_two_workers_equal_one(ckpts, tmp_path):
     from megatron.core import dist_checkpointing
 
-    out = tmp_path / "w2"
-    assert _convert(ckpts["hf"], out, "--workers", "2") == 0
+    assert _convert(ckpts["hf"], tmp_path / "w2", "--workers", "2") == 0
+    out = tmp_path / "w2" / "release"
     distcp = {f for f in os.listdir(out) if f.endswith(".distcp")}
     assert distcp == {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"}
     assert all(os.path.getsize(out / f) > 50_000 for f in distcp)  # balanced
@@ -327,7 +363,8 @@ def test_existing_output_and_bad_args_exit_2(ckpts, tmp_path, capsys):
     assert len(err) == 3 and all(line.startswith(ERR) for line in err), err
     assert sorted(os.listdir(tmp_path)) == ["taken"]
     assert _convert(ckpts["hf"], tmp_path / "taken", "--overwrite") == 0
-    assert sorted(os.listdir(tmp_path)) == ["taken"] and os.path.exists(tmp_path / "taken" / "metadata.json")
+    assert sorted(os.listdir(tmp_path)) == ["taken"]
+    assert os.path.exists(tmp_path / "taken" / "release" / "metadata.json")
 
 
 def test_mtp_weights_skipped_when_config_has_no_mtp(ckpts, tmp_path):
@@ -337,10 +374,10 @@ def test_mtp_weights_skipped_when_config_has_no_mtp(ckpts, tmp_path):
 
     src = _copy_ckpt(ckpts["hf"], tmp_path / "src", mutate_cfg=no_mtp)
     assert _convert(src, tmp_path / "out") == 0
-    with open(tmp_path / "out" / "conversion_info.json") as fh:
+    with open(tmp_path / "out" / "release" / "conversion_info.json") as fh:
         skipped = json.load(fh)["hf_keys_skipped"]
     assert skipped and all(k.startswith(LM + "layers.4.") for k in skipped)
-    with open(tmp_path / "out" / ".metadata", "rb") as fh:
+    with open(tmp_path / "out" / "release" / ".metadata", "rb") as fh:
         keys = pickle.load(fh).state_dict_metadata.keys()
     assert not [k for k in keys if k.startswith("mtp.")] and "decoder.layers.3.mlp.router.weight" in keys
 

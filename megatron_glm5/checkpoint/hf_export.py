@@ -1,5 +1,8 @@
 """Export a megatron_glm5 torch_dist checkpoint to an HF GLM-5.3 checkpoint (bf16 safetensors, sharded, with
-index and config.json; optionally re-quantised to block FP8), streaming with bounded memory.
+index and config.json; optionally re-quantised to block FP8), streaming with bounded memory, together with the
+tokenizer, chat template and processor files (:mod:`hf_assets`) that make it usable with transformers' processors:
+taken from an HF folder (``hf_assets``) or else from the checkpoint folder (the converter puts them into
+``release``; a training save's ``iter_NNNNNNN`` holds none).
 
 Used by ``tools/convert_mcore_to_hf.py`` (and by anything else that exports, e.g. after training).
 """
@@ -11,10 +14,12 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 from megatron_glm5.checkpoint.atomic import atomic_output_dir
 from megatron_glm5.checkpoint.checksums import write_manifest
 from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.checkpoint.hf_assets import ASSET_FILES, read_hf_assets, write_hf_assets
 from megatron_glm5.checkpoint.safetensors_io import SafetensorsStreamWriter, nbytes
 
 
@@ -93,14 +98,16 @@ def hf_output_config(hf_config: dict, fp8: bool) -> dict:
 # ------------------------------------------------------------------------------------------ export
 def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool = False, shard_mb: float = 5000,
                          overwrite: bool = False, progress: bool = True, log=print, max_load_mb: float = 1024,
-                         inputs=()) -> dict:
-    """Export ``load_dir`` (torch_dist) to the HF directory ``out_dir``; returns a summary dict.
+                         inputs=(), hf_assets: Optional[str] = None) -> dict:
+    """Export ``load_dir`` (a torch_dist checkpoint folder, or a save root whose tracker names one) to the HF
+    directory ``out_dir``; returns a summary dict.
 
-    ``hf_config``: dict, path, or None for ``hf_config.json`` next to the checkpoint. Checkpoint tensors are
-    read at most ``max_load_mb`` (or one shard, or one tensor if larger) at a time. ``inputs``: further paths the
-    output may not touch (e.g. the directory given on the command line when it resolved to an iteration). Raises a
-    CheckpointError on bad input; ``out_dir`` is published (atomically, under a lock) only when complete, with a
-    ``checksums.sha256`` manifest."""
+    ``hf_config``: dict, path, or None for ``hf_config.json`` in the checkpoint folder. ``hf_assets``: an HF folder
+    to take the tokenizer / chat template / processor files from; None takes those in the checkpoint folder (a
+    notice through ``log`` when there are none). Checkpoint tensors are read at most ``max_load_mb`` (or one shard,
+    or one tensor if larger) at a time. ``inputs``: further paths the output may not touch (e.g. the directory
+    given on the command line when it resolved to an iteration). Raises a CheckpointError on bad input; ``out_dir``
+    is published (atomically, under a lock) only when complete, with a ``checksums.sha256`` manifest."""
     import torch
     from tqdm import tqdm
 
@@ -110,9 +117,17 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
     if not shard_mb > 0:
         raise ExportError(f"--shard-mb must be positive, got {shard_mb}")
     t0 = time.time()
-    all_inputs = [load_dir, *inputs] + ([hf_config] if isinstance(hf_config, str) else [])
+    if hf_assets is not None and not os.path.isdir(hf_assets):
+        raise ExportError(f"--hf-assets {hf_assets}: no such directory")
+    all_inputs = [load_dir, *inputs] + ([hf_config] if isinstance(hf_config, str) else []) + [hf_assets]
     with atomic_output_dir(out_dir, inputs=all_inputs, overwrite=overwrite, log=log) as tmp:
-        reader = McoreCheckpointReader(load_dir, hf_config)
+        reader = McoreCheckpointReader(load_dir, hf_config)  # the checkpoint's checksums verified (assets included)
+        assets = read_hf_assets(hf_assets or reader.load_dir)
+        if not assets and hf_assets is not None:
+            raise ExportError(f"--hf-assets {hf_assets}: holds none of {', '.join(ASSET_FILES)}")
+        if not assets and log is not None:
+            log(f"notice: {reader.load_dir} holds no tokenizer or processor files; the export has weights and "
+                "config.json only (pass --hf-assets HF_DIR to copy them from an HF checkpoint)")
         text_cfg = {"num_hidden_layers": reader.config.num_layers, "layer_types": list(reader.config.layer_types)}
         shard_bytes = int(shard_mb * 2 ** 20)
         shards = plan_shards(reader, fp8, shard_bytes, text_cfg)
@@ -156,10 +171,11 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
                       indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(hf_output_config(reader.hf_config, fp8), fh, indent=2, sort_keys=True)
+        asset_names = write_hf_assets(assets, tmp)
         write_manifest(tmp, known=digests)
     dt = time.time() - t0
     summary = {"out": out_dir, "tensors": len(weight_map), "shards": n, "bytes": total, "seconds": dt,
-               "fp8": fp8, "load": reader.load_dir}
+               "fp8": fp8, "load": reader.load_dir, "hf_assets": asset_names}
     if log is not None:
         log(f"{PROG}: wrote {len(weight_map)} tensors in {n} shard(s), {total / 2 ** 20:.1f} MiB "
             f"({'FP8' if fp8 else 'BF16'}) to {out_dir} in {dt:.1f}s ({total / 2 ** 20 / max(dt, 1e-9):.1f} MiB/s)")

@@ -3,10 +3,19 @@
 The model is never materialised: a TP=PP=EP=1 model on the meta device gives the checkpoint structure
 (:mod:`lazy_sources`), every tensor is read (mmap), dequantised, checked, fused, cast and written by parallel writer
 threads (:mod:`dcp_save`), optionally in several processes (:mod:`workers`). Everything is validated before a
-tensor is read (arguments, config, layout, every key, shape, dtype and FP8 scale grid); bad input raises a
-:class:`CheckpointError` (or ``Glm5ConfigError``) of one line. Output: ``.metadata`` + ``__*_*.distcp`` (torch DCP,
-megatron's common state included), ``metadata.json`` (megatron), ``hf_config.json`` (read by the exporter),
-``conversion_info.json`` and ``checksums.sha256``, published atomically under a lock (:mod:`atomic`).
+tensor is read (arguments, config, layout, every key, shape, dtype and FP8 scale grid, the tokenizer and processor
+files); bad input raises a :class:`CheckpointError` (or ``Glm5ConfigError``) of one line.
+
+Output, in Megatron-LM's layout of converted weights (what ``--pretrained-checkpoint OUT --finetune`` loads)::
+
+    OUT/latest_checkpointed_iteration.txt   release
+    OUT/release/                            .metadata + __*_*.distcp (torch DCP, megatron's common state included),
+                                            metadata.json (megatron), hf_config.json (read by the exporter and the
+                                            trainer's architecture check), conversion_info.json (its ``source`` is
+                                            the HF folder), the HF folder's tokenizer / chat template / processor
+                                            files (:mod:`hf_assets`), checksums.sha256 (covers them all)
+
+OUT is published as a whole, atomically, under a lock (:mod:`atomic`).
 
 A checkpoint whose config.json declares an MTP layer but which holds no MTP weights (what transformers'
 ``save_pretrained`` writes) converts without the MTP layer, with one notice; ``mtp_init=True`` instead starts a
@@ -30,9 +39,11 @@ from megatron_glm5.checkpoint.checksums import write_manifest
 from megatron_glm5.checkpoint.cpus import usable_cpus
 from megatron_glm5.checkpoint.dcp_save import save_streaming
 from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.checkpoint.hf_assets import read_hf_assets, write_hf_assets
 from megatron_glm5.checkpoint.hf_io import HFCheckpointReader, mtp_notice, validate_hf_checkpoint
 from megatron_glm5.checkpoint.layout import validate_layout
 from megatron_glm5.checkpoint.lazy_sources import model_sources
+from megatron_glm5.checkpoint.megatron_layout import RELEASE, write_release_tracker
 from megatron_glm5.config import Glm5Config
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -91,7 +102,9 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
                         mtp_init: bool = False, log: Optional[Callable[[str], None]] = None,
                         pipeline_layout: Optional[str] = None, first_stage_layers: Optional[int] = None,
                         last_stage_layers: Optional[int] = None) -> Dict:
-    """Convert ``hf_dir`` into a torch_dist checkpoint at ``out_dir``; returns the ``conversion_info.json`` dict.
+    """Convert ``hf_dir`` into a torch_dist checkpoint in Megatron-LM's release layout at ``out_dir``
+    (``out_dir/latest_checkpointed_iteration.txt`` naming ``out_dir/release``); returns the ``conversion_info.json``
+    dict.
 
     ``threads``: writer threads (files) per process. ``log``: where notices go (one line each)."""
     t0 = time.time()
@@ -109,8 +122,12 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
     out_dir = os.path.abspath(out_dir)
     torch_dtype = DTYPES[dtype]
 
-    with atomic_output_dir(out_dir, inputs=[hf_dir], overwrite=overwrite, log=log) as tmp:
+    final_dir = os.path.join(out_dir, RELEASE)
+    with atomic_output_dir(out_dir, inputs=[hf_dir], overwrite=overwrite, log=log) as root:
         validate_layout(hf_dir, tp, pp, ep, pipeline_layout, first_stage_layers, last_stage_layers)
+        assets = read_hf_assets(hf_dir)
+        tmp = os.path.join(root, RELEASE)
+        os.mkdir(tmp)
         reader = HFCheckpointReader(hf_dir)
         try:
             cfg0 = Glm5Config.from_hf(hf_dir)
@@ -134,13 +151,13 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
             try:
                 if workers == 1:
                     stats = save_streaming(model, sources, reader, tmp, on_bytes=bar.update if bar else None,
-                                           final_dir=out_dir, threads=threads)
+                                           final_dir=final_dir, threads=threads)
                 else:
                     from megatron_glm5.checkpoint.workers import run_workers
 
                     del model
                     gc.collect()
-                    stats = run_workers(workers, hf_dir, tmp, dtype, bar.update if bar else None, out_dir, mtp,
+                    stats = run_workers(workers, hf_dir, tmp, dtype, bar.update if bar else None, final_dir, mtp,
                                         mtp_init, threads)
             finally:
                 torch.set_num_threads(intra)
@@ -150,6 +167,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
             reader.close()
         with open(os.path.join(tmp, HF_CONFIG_FNAME), "w") as fh:
             json.dump(cfg.to_hf_dict(), fh, indent=2)
+        asset_names = write_hf_assets(assets, tmp)
         disk = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
         info = {
             "source": os.path.abspath(hf_dir), "format": "torch_dist", "dtype": dtype,
@@ -161,12 +179,13 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
             "write_seconds": round(stats["write_span"][1] - stats["write_span"][0], 3),
             "tensor_bytes": stats["bytes"], "checkpoint_bytes": disk,
             "num_tensors": len(sources), "hf_keys_skipped": report["skipped"], "mtp": mtp,
-            "mtp_initialised": bool(mtp_init),
+            "mtp_initialised": bool(mtp_init), "hf_assets": asset_names,
             "versions": {"torch": torch.__version__, "megatron_core": _mcore_version()},
         }
         with open(os.path.join(tmp, INFO_FNAME), "w") as fh:
             json.dump(info, fh, indent=2)
         write_manifest(tmp, known=stats["digests"])
+        write_release_tracker(root)
     return info
 
 

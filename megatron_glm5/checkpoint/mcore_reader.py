@@ -11,7 +11,9 @@ bounded by what one call asks for and one expert of a stacked expert tensor cost
 Names go through the key table (:mod:`megatron_glm5.checkpoint.hf_keys`); fused gate/up tensors are split back
 into their two HF keys.
 
-    reader = McoreCheckpointReader(load_dir)              # reads load_dir/hf_config.json
+    reader = McoreCheckpointReader(load_dir)              # a save root (its tracker names the checkpoint folder:
+                                                          # release or iter_NNNNNNN) or a checkpoint folder;
+                                                          # reads hf_config.json from that folder
     for hf_key, tensor in reader.iter_hf_tensors():       # bf16, fp32 islands in fp32
         ...
 
@@ -37,11 +39,11 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megatron_glm5.checkpoint.checksums import verify_manifest
 from megatron_glm5.checkpoint.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_keys import canonical_name, is_fp32_island_hf, is_non_persistent, mcore_to_hf
+from megatron_glm5.checkpoint.megatron_layout import resolve_checkpoint_dir
 from megatron_glm5.checkpoint.safe_load import SafeFileSystemReader
 from megatron_glm5.checkpoint.safetensors_io import nbytes
 
 HF_CONFIG_FILE = "hf_config.json"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # top-level module names of Glm5Model: checkpoint tensors under these must all be known to the config
 MODEL_PREFIXES = ("embedding.", "vision_model.", "decoder.", "final_layernorm.", "output_layer.", "mtp.")
 
@@ -51,26 +53,6 @@ class McoreCheckpointError(CheckpointError):
 
 
 # ---------------------------------------------------------------------------------------------------- directory
-def resolve_checkpoint_dir(path: str) -> str:
-    """``path`` itself when it holds a dist checkpoint, else the iteration its megatron tracker file names."""
-    if not os.path.isdir(path):
-        raise McoreCheckpointError(f"{path}: no such directory")
-    if os.path.exists(os.path.join(path, "metadata.json")):
-        return path
-    tracker = os.path.join(path, TRACKER_FILE)
-    if os.path.exists(tracker):
-        try:
-            with open(tracker) as fh:
-                it = fh.read(64).strip()
-            sub = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
-        except (OSError, UnicodeDecodeError, ValueError):
-            raise McoreCheckpointError(f"{tracker}: not an iteration number or 'release'") from None
-        if os.path.isdir(sub):
-            return sub
-        raise McoreCheckpointError(f"{path}: {TRACKER_FILE} names iteration {it} but {sub} does not exist")
-    return path
-
-
 def check_torch_dist(load_dir: str) -> None:
     """Raise unless ``load_dir`` is a dist_checkpointing checkpoint in the torch_dist format."""
     meta = os.path.join(load_dir, "metadata.json")
@@ -88,12 +70,10 @@ def check_torch_dist(load_dir: str) -> None:
 
 
 def find_hf_config(load_dir: str) -> Optional[str]:
-    """``hf_config.json`` in the checkpoint dir, or in its parent (megatron's iter_XXXXXXX layout)."""
-    for d in (load_dir, os.path.dirname(os.path.abspath(load_dir))):
-        p = os.path.join(d, HF_CONFIG_FILE)
-        if os.path.exists(p):
-            return p
-    return None
+    """``hf_config.json`` in the checkpoint folder ``load_dir`` (the converter writes it into ``release``, every
+    training save into its ``iter_NNNNNNN``), None when there is none."""
+    p = os.path.join(load_dir, HF_CONFIG_FILE)
+    return p if os.path.exists(p) else None
 
 
 def read_hf_config(load_dir: str, hf_config_path: Optional[str] = None) -> dict:

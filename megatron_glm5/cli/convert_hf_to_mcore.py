@@ -5,14 +5,17 @@
          --decoder-last-pipeline-num-layers N] [--workers N] [--threads N] [--mtp-init] [--overwrite] [--no-progress]
 
 The model is built on the meta device and every tensor is read (mmap), dequantised (FP8), checked (finite, scales
-positive), fused (gate/up), cast and written by parallel writer threads, so memory stays at a few tensors. The
-output loads with ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), OUT)`` at any TP/PP/EP;
+positive), fused (gate/up), cast and written by parallel writer threads, so memory stays at a few tensors. OUT is
+in Megatron-LM's layout of converted weights: OUT/latest_checkpointed_iteration.txt says ``release`` and
+OUT/release is the torch_dist checkpoint, so ``pretrain_glm5_vlm.py --pretrained-checkpoint OUT --finetune`` loads
+it, as does ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), OUT/release)``, at any TP/PP/EP;
 --tp/--pp/--ep are validated against the config (before any tensor is read) and recorded in
-OUT/conversion_info.json. OUT also holds hf_config.json (the HF config the exporter writes back) and
-checksums.sha256 (verified by the exporter). OUT appears only once complete; --overwrite replaces an existing OUT
-only then and never an input. A checkpoint whose config declares an MTP layer but which holds no MTP weights (what
-transformers' save_pretrained writes) converts without MTP, with one notice; --mtp-init starts a fresh MTP layer
-instead. Bad input prints one ``convert_hf_to_mcore: error: ...`` line and exits 2.
+OUT/release/conversion_info.json (with the source folder). OUT/release also holds hf_config.json (the HF config the
+exporter writes back), the source's tokenizer, chat template and processor files (checked, then copied; the
+exporter carries them into the HF export) and checksums.sha256 (verified by every reader). OUT appears only once
+complete; --overwrite replaces an existing OUT only then and never an input. A checkpoint whose config declares an
+MTP layer but which holds no MTP weights (what transformers' save_pretrained writes) converts without MTP, with one
+notice; --mtp-init starts a fresh MTP layer instead. Bad input prints one ``convert_hf_to_mcore: error: ...`` line and exits 2.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def default_writer_threads() -> int:
 def parser() -> OneLineArgumentParser:
     p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
-    p.add_argument("--out", required=True, help="output torch_dist checkpoint directory (must not exist)")
+    p.add_argument("--out", required=True, help="output Megatron-LM save folder (tracker + release/; must not exist)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to validate for (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to validate for (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size to validate for (default 1)")
