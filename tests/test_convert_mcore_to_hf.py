@@ -1,5 +1,7 @@
 """Exporting a megatron-core torch_dist checkpoint to HF: bit-exact BF16 round trip, transformers logits, FP8,
-the reusable reader, and bad input (one error line, exit 2, no output)."""
+the reusable reader, a save root or a checkpoint folder as --load, the tokenizer / chat template / processor files
+carried HF -> converter -> exporter (or taken from --hf-assets) so that transformers' Auto classes load the export
+offline, and bad input (one error line, exit 2, no output)."""
 
 import json
 import os
@@ -42,7 +44,8 @@ def _no_leftovers(parent):
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, mcore):
-    """HF bf16 source (with MTP) -> bf16 megatron model -> megatron's own dist_checkpointing.save."""
+    """HF bf16 source (with MTP) -> bf16 megatron model -> megatron's own dist_checkpointing.save, in a training
+    save's layout: "save" (tracker naming 6) / "mcore" (= save/iter_0000006, with hf_config.json)."""
     from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
     from megatron.core import dist_checkpointing
 
@@ -52,21 +55,22 @@ def ckpts(tmp_path_factory, mcore):
     src = write_checkpoint(str(root / "hf_src"), tiny_hf_config(), fmt="bf16", mtp=True, seed=11)
     model = build_model_from_hf(src, dtype=torch.bfloat16)
     assert model.config.mtp_num_layers == 1
-    mc = root / "mcore"
-    mc.mkdir()
+    mc = root / "save" / "iter_0000006"
+    mc.mkdir(parents=True)
     dist_checkpointing.save(model.sharded_state_dict(), str(mc))
+    (root / "save" / "latest_checkpointed_iteration.txt").write_text("6")
     with open(mc / "hf_config.json", "w") as fh:
         json.dump(model.config.to_hf_dict(), fh)
     del model
-    return {"root": root, "src": src, "mcore": str(mc)}
+    return {"root": root, "src": src, "mcore": str(mc), "save": str(root / "save")}
 
 
 @pytest.fixture(scope="module")
 def exported(ckpts):
     from megatron_glm5.cli.convert_mcore_to_hf import main
 
-    out = str(ckpts["root"] / "hf_bf16")
-    assert main(["--load", ckpts["mcore"], "--out", out, "--shard-mb", str(SHARD_MB), "--no-progress"]) == 0
+    out = str(ckpts["root"] / "hf_bf16")  # from the save root: its tracker names iter_0000006
+    assert main(["--load", ckpts["save"], "--out", out, "--shard-mb", str(SHARD_MB), "--no-progress"]) == 0
     return out
 
 
@@ -249,7 +253,7 @@ def test_bad_input(ckpts, tmp_path, capsys, case):
         expect = "hf_config.json not found"
     elif case == "not_torch_dist":
         load = ckpts["src"]  # an HF directory
-        expect = "not a megatron dist checkpoint"
+        expect = "not a megatron checkpoint (neither a save folder"
     elif case == "garbage_metadata":
         load = _copy_without(ckpts["mcore"], tmp_path / "ck")
         with open(os.path.join(load, ".metadata"), "wb") as fh:
@@ -297,3 +301,207 @@ def test_existing_output_needs_overwrite(ckpts, exported, tmp_path, capsys):
     assert not (out / "keep.txt").exists()
     assert os.listdir(out).count("model-00001-of-00001.safetensors") == 1
     assert not _no_leftovers(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer / processor
+ASSETS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+          "preprocessor_config.json", "processor_config.json")
+# the tiny config's multimodal token ids are 250..255 in this order (megatron_glm5.config.tiny_hf_config)
+MM_TOKENS = ("<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
+             "<|end_of_video|>")
+
+
+def _write_tiny_hf_assets(hf_dir):
+    """The generated tokenizer (tools/make_tiny_data.py's) padded with reserved tokens to id 250 and GLM's
+    multimodal tokens at the tiny config's ids, its tokenizer config, a chat template and the image processor's
+    config: what a released HF checkpoint ships beside its weights."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from megatron_glm5.data.tiny_data import make_tiny_tokenizer
+
+    path = make_tiny_tokenizer(hf_dir, vocab_size=250)
+    tok = Tokenizer.from_file(path)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(n, 250)]
+                           + [AddedToken(t, special=True, normalized=False) for t in MM_TOKENS])
+    tok.save(path)
+    assert [tok.token_to_id(t) for t in MM_TOKENS] == list(range(250, 256))
+    files = {
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                                  "pad_token": "<|endoftext|>", "model_max_length": 4096},
+        "special_tokens_map.json": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+        "preprocessor_config.json": {"image_processor_type": "Glm5NextImageProcessor",
+                                     "processor_class": "Glm5NextProcessor", "patch_size": 14,
+                                     "temporal_patch_size": 2, "merge_size": 2},
+        "processor_config.json": {"processor_class": "Glm5NextProcessor"},
+    }
+    for name, obj in files.items():
+        with open(os.path.join(hf_dir, name), "w") as fh:
+            json.dump(obj, fh)
+    with open(os.path.join(hf_dir, "chat_template.jinja"), "w") as fh:
+        fh.write("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return hf_dir
+
+
+@pytest.fixture(scope="module")
+def hf_with_assets(ckpts):
+    """The HF source with tokenizer / chat template / processor files."""
+    dst = ckpts["root"] / "hf_assets_src"
+    shutil.copytree(ckpts["src"], dst)
+    return _write_tiny_hf_assets(str(dst))
+
+
+@pytest.fixture(scope="module")
+def converted_with_assets(ckpts, hf_with_assets):
+    """tools/convert_hf_to_mcore.py of the HF source with assets -> its Megatron-LM layout OUT."""
+    from megatron_glm5.cli.convert_hf_to_mcore import main
+
+    out = str(ckpts["root"] / "converted")
+    assert main(["--hf-dir", hf_with_assets, "--out", out, "--no-progress"]) == 0
+    return out
+
+
+def _offline(monkeypatch):
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(k, "1")
+
+
+def test_converter_carries_assets_and_export_loads_with_transformers(ckpts, hf_with_assets, converted_with_assets,
+                                                                     tmp_path, monkeypatch):
+    """HF (with tokenizer + processor files) -> converter (OUT/release carries them, listed in its checksums and
+    conversion_info.json) -> exporter --load OUT -> an HF folder that transformers loads offline with
+    AutoTokenizer, AutoImageProcessor and AutoModelForImageTextToText, whose logits on a real image + text input
+    equal those of the source checkpoint.
+
+    (AutoProcessor itself cannot be built in this environment: Glm5NextProcessor also builds its video processor,
+    which needs torchvision, not installed here and not a dependency; the tokenizer is not the obstacle.)"""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from megatron_glm5.checkpoint.checksums import read_manifest
+    from megatron_glm5.cli.convert_mcore_to_hf import main
+
+    release = os.path.join(converted_with_assets, "release")
+    with open(os.path.join(release, "conversion_info.json")) as fh:
+        info = json.load(fh)
+    assert info["hf_assets"] == sorted(ASSETS) and info["source"] == os.path.abspath(hf_with_assets)
+    manifest = read_manifest(release)
+    for name in ASSETS:
+        assert name in manifest
+        with open(os.path.join(release, name), "rb") as a, open(os.path.join(hf_with_assets, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+    out = str(tmp_path / "hf")
+    assert main(["--load", converted_with_assets, "--out", out, "--no-progress"]) == 0
+    for name in ASSETS:
+        with open(os.path.join(out, name), "rb") as a, open(os.path.join(hf_with_assets, name), "rb") as b:
+            assert a.read() == b.read(), name
+    assert set(ASSETS) <= set(read_manifest(out))
+
+    _offline(monkeypatch)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    images = AutoImageProcessor.from_pretrained(out, local_files_only=True)
+    assert type(images).__name__.startswith("Glm5NextImageProcessor")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True) == "<|user|>hi<|assistant|>"
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8))
+    pix = images(images=[img], return_tensors="pt")
+    n = int(pix["image_grid_thw"].prod()) // 4
+    ids = tok("the scan<|begin_of_image|>" + "<|image|>" * n + "<|end_of_image|>what colour is the square?",
+              return_tensors="pt")["input_ids"]
+    assert int((ids == 250).sum()) == n
+
+    def logits(path):
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                            local_files_only=True).eval()
+        assert type(model).__name__ == "Glm5NextForConditionalGeneration"
+        with torch.no_grad():
+            return model(input_ids=ids, pixel_values=pix["pixel_values"],
+                         image_grid_thw=pix["image_grid_thw"]).logits
+
+    a, b = logits(hf_with_assets), logits(out)
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_training_save_exports_assets_from_hf_assets_flag(ckpts, hf_with_assets, tmp_path, capsys):
+    """A training save's iter_NNNNNNN holds only hf_config.json: without --hf-assets the export has no tokenizer
+    (one notice line), with --hf-assets DIR it carries DIR's files; either --load form gives the same export."""
+    from megatron_glm5.cli.convert_mcore_to_hf import main
+
+    capsys.readouterr()
+    assert main(["--load", ckpts["mcore"], "--out", str(tmp_path / "plain"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "notice:" in err and "--hf-assets" in err
+    assert not set(ASSETS) & set(os.listdir(tmp_path / "plain"))
+    for load in (ckpts["mcore"], ckpts["save"]):
+        out = tmp_path / ("from_" + os.path.basename(load))
+        assert main(["--load", load, "--out", str(out), "--hf-assets", hf_with_assets, "--no-progress"]) == 0
+        for name in ASSETS:
+            assert (out / name).read_bytes() == open(os.path.join(hf_with_assets, name), "rb").read(), name
+    a, b = _tensors(tmp_path / "from_iter_0000006"), _tensors(tmp_path / "from_save")
+    assert a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+
+
+def _bad_asset(d, case, outside):
+    if case == "json":
+        (d / "tokenizer_config.json").write_text('{"tokenizer_class": ')
+        return "tokenizer_config.json: not valid JSON"
+    if case == "json_list":
+        (d / "preprocessor_config.json").write_text("[1, 2]")
+        return "preprocessor_config.json: not a JSON object"
+    if case == "symlink_out":
+        (d / "tokenizer.json").unlink()
+        (d / "tokenizer.json").symlink_to(outside)
+        return "outside"
+    if case == "too_big":
+        (d / "chat_template.jinja").write_bytes(b"x" * (4 * 2 ** 20 + 1))
+        return "chat_template.jinja: larger than 4 MiB"
+    if case == "not_utf8":
+        (d / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+        return "chat_template.jinja: not UTF-8"
+    assert case == "directory"
+    (d / "special_tokens_map.json").unlink()
+    (d / "special_tokens_map.json").mkdir()
+    return "special_tokens_map.json: not a regular file"
+
+
+@pytest.mark.parametrize("case", ["json", "json_list", "symlink_out", "too_big", "not_utf8", "directory"])
+def test_bad_assets_exit_2_with_one_line(ckpts, hf_with_assets, tmp_path, capsys, case):
+    """A bad tokenizer / processor file in --hf-assets (exporter) or in the HF source (converter): one error line,
+    exit 2, no output."""
+    from megatron_glm5.cli import convert_hf_to_mcore, convert_mcore_to_hf
+
+    outside = tmp_path / "secret.json"
+    outside.write_text("{}")
+    src = tmp_path / "src"
+    shutil.copytree(hf_with_assets, src)
+    expect = _bad_asset(src, case, outside)
+    outs = tmp_path / "outs"
+    outs.mkdir()
+    for prog, run in (("convert_mcore_to_hf", lambda: convert_mcore_to_hf.main(
+            ["--load", ckpts["mcore"], "--out", str(outs / "hf"), "--hf-assets", str(src), "--no-progress"])),
+                      ("convert_hf_to_mcore", lambda: convert_hf_to_mcore.main(
+            ["--hf-dir", str(src), "--out", str(outs / "mc"), "--no-progress"]))):
+        capsys.readouterr()
+        assert run() == 2, prog
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), lines
+        assert expect in lines[0], lines[0]
+        assert os.listdir(outs) == [], prog
+
+
+def test_hf_assets_flag_errors(ckpts, tmp_path, capsys):
+    from megatron_glm5.cli.convert_mcore_to_hf import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for assets, expect in ((tmp_path / "nope", "--hf-assets"), (empty, "holds none of tokenizer.json")):
+        capsys.readouterr()
+        assert main(["--load", ckpts["mcore"], "--out", str(tmp_path / "out"), "--hf-assets", str(assets),
+                     "--no-progress"]) == 2
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and expect in lines[0], lines
+        assert not (tmp_path / "out").exists()
