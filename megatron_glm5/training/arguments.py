@@ -194,7 +194,7 @@ def architecture_defaults(config, hf: dict) -> dict:
 
 # the Megatron-LM flags that describe the architecture: given, they must agree with it
 _ARCHITECTURE_FLAGS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_experts", "moe_router_topk",
-                       "moe_ffn_hidden_size", "vocab_size")
+                       "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "vocab_size")
 
 
 def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
@@ -217,14 +217,18 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
             raise ArgumentError(name, str(e)) from None
 
 
-def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict) -> None:
+def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, argv: List[str]) -> None:
     """The checks Megatron-LM's ``validate_args`` does not make for this model; raises :class:`ArgumentError`."""
     for flag in _ARCHITECTURE_FLAGS:
         want = arch_defaults.get(flag)
-        if want is not None and getattr(args, flag, None) not in (None, want):
-            raise ArgumentError("--" + flag.replace("_", "-"),
-                                f"{getattr(args, flag)} contradicts the architecture of "
-                                f"{args.hf_config or args.model_preset} ({want}); leave it out")
+        if want is None:
+            continue
+        name = "--" + flag.replace("_", "-")
+        given = any(a == name or a.startswith(name + "=") for a in argv)
+        if given and getattr(args, flag, None) != want:
+            raise ArgumentError(name, f"{getattr(args, flag)} contradicts the architecture of "
+                                      f"{args.hf_config or args.model_preset} ({want}); leave it out")
+        setattr(args, flag, want)  # over a Megatron-LM default (--moe-router-topk 2)
     _require(args.max_consecutive_skipped_iterations >= 1, "--max-consecutive-skipped-iterations", "must be >= 1")
     files = [f for f in (args.data_path or []) if not _is_number(f)]
     _require(args.mock_data or files, "--data-path", "give --data-path or --mock-data")
@@ -415,7 +419,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
         check_layout_and_schedule(args, config)
-        validate_glm5_args(args, arch, hf)
+        validate_glm5_args(args, arch, hf, argv)
         args.hf_config_dict = hf
         try:  # the parallel layout against the model (heads, experts, layers per stage)
             model_config_from_args(args, "cpu")
