@@ -95,12 +95,14 @@ def _export(load, out, *extra):
 
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory, mcore):
-    """A tiny FP8 HF checkpoint with MTP, its torch_dist conversion, and a transformers-style one without MTP."""
+    """A tiny FP8 HF checkpoint with MTP, its torch_dist conversion ("mcore_out": the converter's OUT, "mcore": its
+    checkpoint folder OUT/release), and a transformers-style one without MTP."""
     root = tmp_path_factory.mktemp("safety")
     hf = write_checkpoint(str(root / "hf"), tiny_hf_config(mtp=True), fmt="fp8", mtp=True, seed=3)
     assert _convert(hf, root / "mcore") == 0
     no_mtp = write_checkpoint(str(root / "hf_no_mtp"), tiny_hf_config(mtp=True), fmt="bf16", mtp=False, seed=3)
-    return {"root": root, "hf": hf, "mcore": str(root / "mcore"), "no_mtp": no_mtp}
+    return {"root": root, "hf": hf, "mcore": str(root / "mcore" / "release"), "mcore_out": str(root / "mcore"),
+            "no_mtp": no_mtp}
 
 
 # --------------------------------------------------------------------------------------------- security
@@ -197,7 +199,7 @@ def test_overwrite_never_deletes_an_input(ck, tmp_path, capfd, rel):
     src = root / "hf"
     shutil.copytree(ck["hf"], src)
     load = root / "mc"
-    shutil.copytree(ck["mcore"], load)
+    shutil.copytree(ck["mcore_out"], load)  # a save root: its tracker names release
     before = _tree_digest(root)
     for tool, inp, prog in ((_convert, src, "convert_hf_to_mcore"), (_export, load, "convert_mcore_to_hf")):
         out = {"equal": inp, "contains": root, "inside": inp / "sub"}[rel]
@@ -277,7 +279,7 @@ def test_sigkill_then_rerun(ck, tmp_path, capfd):
             assert child.poll() is None and time.time() < deadline
             time.sleep(0.1)
         left = [f for f in os.listdir(tmp_path) if f.startswith(".out.tmp-")]
-        assert len(left) == 1 and any(f.endswith(".distcp") for f in os.listdir(tmp_path / left[0]))
+        assert len(left) == 1 and any(f.endswith(".distcp") for f in os.listdir(tmp_path / left[0] / "release"))
         child.send_signal(signal.SIGKILL)
         child.wait(30)
     finally:
@@ -291,7 +293,7 @@ def test_sigkill_then_rerun(ck, tmp_path, capfd):
     assert sorted(os.listdir(tmp_path)) == ["out", "ready"]
     from megatron.core import dist_checkpointing
 
-    a, b = dist_checkpointing.load_plain_tensors(ck["mcore"]), dist_checkpointing.load_plain_tensors(str(out))
+    a, b = dist_checkpointing.load_plain_tensors(ck["mcore"]), dist_checkpointing.load_plain_tensors(str(out / "release"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -317,9 +319,10 @@ def test_outputs_get_the_umask_permissions(ck, tmp_path):
         os.umask(old)
     assert (os.stat(tmp_path / "out").st_mode & 0o777) == 0o750
     assert all((os.stat(tmp_path / "out" / f).st_mode & 0o777) == 0o640 for f in os.listdir(tmp_path / "out"))
-    mc = os.stat(ck["mcore"]).st_mode & 0o777
-    assert mc == 0o777 & ~old and all((os.stat(os.path.join(ck["mcore"], f)).st_mode & 0o777) == 0o666 & ~old
-                                      for f in os.listdir(ck["mcore"]))
+    for d in (ck["mcore_out"], ck["mcore"]):  # the converter's OUT and OUT/release
+        assert os.stat(d).st_mode & 0o777 == 0o777 & ~old
+        assert all((os.stat(os.path.join(d, f)).st_mode & 0o777) == (0o777 if os.path.isdir(os.path.join(d, f))
+                                                                      else 0o666) & ~old for f in os.listdir(d))
 
 
 def test_remapping_while_writer_threads_read(ck, tmp_path, monkeypatch):
@@ -329,7 +332,8 @@ def test_remapping_while_writer_threads_read(ck, tmp_path, monkeypatch):
 
     monkeypatch.setattr(lazy_sources, "_REMAP_BYTES", 1)
     assert _convert(ck["hf"], tmp_path / "out", "--threads", "3") == 0
-    a, b = dist_checkpointing.load_plain_tensors(ck["mcore"]), dist_checkpointing.load_plain_tensors(str(tmp_path / "out"))
+    a = dist_checkpointing.load_plain_tensors(ck["mcore"])
+    b = dist_checkpointing.load_plain_tensors(str(tmp_path / "out" / "release"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -586,6 +590,43 @@ def test_fuzz_no_traceback_escapes(ck, tmp_path, capfd):
         shutil.rmtree(mc)
 
 
+def _bad_tracker(root, what):
+    tracker = root / "latest_checkpointed_iteration.txt"
+    if what == "names_missing":
+        tracker.write_text("42")
+        return "names iter_0000042, which is not in"
+    if what == "binary":
+        tracker.write_bytes(b"\xff\xfe\x00\x01")
+        return "expected an iteration number or 'release'"
+    if what == "huge":
+        tracker.write_bytes(b"1" * 100_000)
+        return "expected an iteration number or 'release'"
+    if what == "negative":
+        tracker.write_text("-3")
+        return "expected an iteration number or 'release', got '-3'"
+    if what == "directory":
+        tracker.mkdir()
+        return "not a regular file"
+    assert what == "fifo"
+    os.mkfifo(tracker)  # a reader that opened it would wait forever
+    return "not a regular file"
+
+
+@pytest.mark.parametrize("what", ["names_missing", "binary", "huge", "negative", "directory", "fifo"])
+def test_bad_tracker_is_one_line(ck, tmp_path, capfd, what):
+    """A save root's tracker is untrusted: anything but a small regular file naming a folder that is there is one
+    line, exit 2, nothing written (and never a hang)."""
+    root = tmp_path / "save"
+    root.mkdir()
+    shutil.copytree(ck["mcore"], root / "release")
+    needle = _bad_tracker(root, what)
+    capfd.readouterr()
+    assert _export(root, tmp_path / "out") == 2
+    line = _one_error(capfd, "convert_mcore_to_hf")
+    assert needle in line, line
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------------------- transformers' export
 def test_checkpoint_without_mtp_weights_runs_in_hf_forward(ck, tmp_path, capfd):
     assert _config(ck["no_mtp"])["text_config"]["num_nextn_predict_layers"] == 1
@@ -614,20 +655,20 @@ def test_checkpoint_without_mtp_weights_converts(ck, tmp_path, capfd):
     assert _convert(ck["no_mtp"], tmp_path / "plain") == 0
     notices = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
     assert len(notices) == 1 and "no MTP weights" in notices[0] and "--mtp-init" in notices[0], notices
-    keys = dist_checkpointing.load_plain_tensors(str(tmp_path / "plain")).keys()
+    keys = dist_checkpointing.load_plain_tensors(str(tmp_path / "plain" / "release")).keys()
     assert not [k for k in keys if k.startswith("mtp.")]
-    with open(tmp_path / "plain" / "hf_config.json") as fh:
+    with open(tmp_path / "plain" / "release" / "hf_config.json") as fh:
         assert "num_nextn_predict_layers" not in json.load(fh)["text_config"]
     # --mtp-init: a fresh MTP layer (megatron's init: norms at 1, projections ~ N(0, initializer_range))
     capfd.readouterr()
     assert _convert(ck["no_mtp"], tmp_path / "fresh", "--mtp-init") == 0
     notices = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
     assert len(notices) == 1 and "writing a freshly initialised MTP layer (--mtp-init)" in notices[0], notices
-    t = dist_checkpointing.load_plain_tensors(str(tmp_path / "fresh"))
+    t = dist_checkpointing.load_plain_tensors(str(tmp_path / "fresh" / "release"))
     assert torch.equal(t["mtp.layers.0.enorm.weight"].float(), torch.ones(64))
     eh = t["mtp.layers.0.eh_proj.weight"].float()
     assert eh.shape == (64, 128) and 0.015 < eh.std().item() < 0.025
-    plain = dist_checkpointing.load_plain_tensors(str(tmp_path / "plain"))
+    plain = dist_checkpointing.load_plain_tensors(str(tmp_path / "plain" / "release"))
     assert all(torch.equal(plain[k], t[k]) for k in plain)  # the rest is the checkpoint's
     # and it exports back to HF with the MTP layer
     assert _export(tmp_path / "fresh", tmp_path / "back") == 0

@@ -147,7 +147,7 @@ def test_convert_cli_pp2_on_5_plus_1_layers(tiny_ckpt_5, tmp_path, flags, layout
 
     out = tmp_path / "out"
     assert convert_hf_to_mcore.main(["--hf-dir", tiny_ckpt_5, "--out", str(out), "--no-progress", *flags]) == 0
-    info = json.load(open(out / "conversion_info.json"))
+    info = json.load(open(out / "release" / "conversion_info.json"))
     assert info["layout"] == {"tp": 1, "ep": 1, **layout}
 
 

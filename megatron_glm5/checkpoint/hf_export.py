@@ -125,9 +125,6 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
         assets = read_hf_assets(hf_assets or reader.load_dir)
         if not assets and hf_assets is not None:
             raise ExportError(f"--hf-assets {hf_assets}: holds none of {', '.join(ASSET_FILES)}")
-        if not assets and log is not None:
-            log(f"notice: {reader.load_dir} holds no tokenizer or processor files; the export has weights and "
-                "config.json only (pass --hf-assets HF_DIR to copy them from an HF checkpoint)")
         text_cfg = {"num_hidden_layers": reader.config.num_layers, "layer_types": list(reader.config.layer_types)}
         shard_bytes = int(shard_mb * 2 ** 20)
         shards = plan_shards(reader, fp8, shard_bytes, text_cfg)
@@ -174,6 +171,9 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
         asset_names = write_hf_assets(assets, tmp)
         write_manifest(tmp, known=digests)
     dt = time.time() - t0
+    if not asset_names and log is not None:  # after the export: a failing run prints its error line only
+        log(f"notice: {reader.load_dir} holds no tokenizer or processor files; the export has weights and "
+            "config.json only (pass --hf-assets HF_DIR to copy them from an HF checkpoint)")
     summary = {"out": out_dir, "tensors": len(weight_map), "shards": n, "bytes": total, "seconds": dt,
                "fp8": fp8, "load": reader.load_dir, "hf_assets": asset_names}
     if log is not None:
