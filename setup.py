@@ -8,6 +8,7 @@ setup(
     python_requires=">=3.12",
     install_requires=[
         "torch==2.13.0",
+        "torchvision==0.28.0",  # transformers' GLM-5.3 processor builds its video processor on it
         "megatron-core==0.19.2",
         "transformers==5.23.0",
         "safetensors",

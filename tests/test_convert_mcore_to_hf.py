@@ -307,41 +307,11 @@ def test_existing_output_needs_overwrite(ckpts, exported, tmp_path, capsys):
 ASSETS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
           "preprocessor_config.json", "processor_config.json")
 # the tiny config's multimodal token ids are 250..255 in this order (megatron_glm5.config.tiny_hf_config)
-MM_TOKENS = ("<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
-             "<|end_of_video|>")
-
-
 def _write_tiny_hf_assets(hf_dir):
-    """The generated tokenizer (tools/make_tiny_data.py's) padded with reserved tokens to id 250 and GLM's
-    multimodal tokens at the tiny config's ids, its tokenizer config, a chat template and the image processor's
-    config: what a released HF checkpoint ships beside its weights."""
-    from tokenizers import AddedToken, Tokenizer
+    from megatron_glm5.data.tiny_data import write_tiny_hf_assets
 
-    from megatron_glm5.data.tiny_data import make_tiny_tokenizer
-
-    path = make_tiny_tokenizer(hf_dir, vocab_size=250)
-    tok = Tokenizer.from_file(path)
-    n = tok.get_vocab_size(with_added_tokens=True)
-    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(n, 250)]
-                           + [AddedToken(t, special=True, normalized=False) for t in MM_TOKENS])
-    tok.save(path)
-    assert [tok.token_to_id(t) for t in MM_TOKENS] == list(range(250, 256))
-    files = {
-        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                                  "pad_token": "<|endoftext|>", "model_max_length": 4096},
-        "special_tokens_map.json": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
-        "preprocessor_config.json": {"image_processor_type": "Glm5NextImageProcessor",
-                                     "processor_class": "Glm5NextProcessor", "patch_size": 14,
-                                     "temporal_patch_size": 2, "merge_size": 2},
-        "processor_config.json": {"processor_class": "Glm5NextProcessor"},
-    }
-    for name, obj in files.items():
-        with open(os.path.join(hf_dir, name), "w") as fh:
-            json.dump(obj, fh)
-    with open(os.path.join(hf_dir, "chat_template.jinja"), "w") as fh:
-        fh.write("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    return hf_dir
+    with open(os.path.join(hf_dir, "config.json")) as fh:
+        return write_tiny_hf_assets(hf_dir, json.load(fh))
 
 
 @pytest.fixture(scope="module")
@@ -372,13 +342,11 @@ def test_converter_carries_assets_and_export_loads_with_transformers(ckpts, hf_w
     """HF (with tokenizer + processor files) -> converter (OUT/release carries them, listed in its checksums and
     conversion_info.json) -> exporter --load OUT -> an HF folder that transformers loads offline with
     AutoTokenizer, AutoImageProcessor and AutoModelForImageTextToText, whose logits on a real image + text input
-    equal those of the source checkpoint.
-
-    (AutoProcessor itself cannot be built in this environment: Glm5NextProcessor also builds its video processor,
-    which needs torchvision, not installed here and not a dependency; the tokenizer is not the obstacle.)"""
+    equal those of the source checkpoint; AutoProcessor builds transformers' Glm5NextProcessor from it and expands
+    an image placeholder to the image's tokens."""
     import numpy as np
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     from megatron_glm5.checkpoint.checksums import read_manifest
     from megatron_glm5.cli.convert_mcore_to_hf import main
@@ -413,6 +381,11 @@ def test_converter_carries_assets_and_export_loads_with_transformers(ckpts, hf_w
     ids = tok("the scan<|begin_of_image|>" + "<|image|>" * n + "<|end_of_image|>what colour is the square?",
               return_tensors="pt")["input_ids"]
     assert int((ids == 250).sum()) == n
+    processor = AutoProcessor.from_pretrained(out, local_files_only=True)
+    assert type(processor).__name__ == "Glm5NextProcessor"
+    batch = processor(text=["the scan<|begin_of_image|><|image|><|end_of_image|>what colour is the square?"],
+                      images=[img], return_tensors="pt")
+    assert torch.equal(batch["input_ids"], ids) and torch.equal(batch["pixel_values"], pix["pixel_values"])
 
     def logits(path):
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",

@@ -4,8 +4,10 @@
         [--no-vision] [--shard-mb MB] [--seed S]
 
 transformers' own ``Glm5NextForConditionalGeneration`` builds and saves the model (so key names, shapes and the
-config are exactly what transformers writes and reads); every parameter is then given non-trivial random values
-(mHC base/scale, A_log, router bias, KPool ape/gate and norms are not left at their constant inits). Options:
+config are exactly what transformers writes and reads), beside a generated tokenizer with GLM's multimodal tokens at
+the config's ids, a chat template and the image processor's config (as the release ships them); every parameter is
+then given non-trivial random values (mHC base/scale, A_log, router bias, KPool ape/gate and norms are not left at
+their constant inits). Options:
   --format fp8   the released layout: block-FP8 e4m3 (128x128 ``weight_scale_inv``) for DSA q_a/q_b/kv_a/o_proj,
                  dense MLPs, routed and shared experts (and the MTP layer's), BF16 elsewhere, fp32 for the fp32
                  islands, with ``quantization_config`` in config.json
@@ -112,6 +114,7 @@ def write_checkpoint(out_dir: str, hf_config: dict, fmt: str = "fp32", mtp: bool
     from megatron_glm5.checkpoint.atomic import atomic_output_dir, check_output_path
     from megatron_glm5.checkpoint.fp8 import is_fp8_in_release, quantize_fp8_blockwise
     from megatron_glm5.checkpoint.hf_keys import is_fp32_island_hf
+    from megatron_glm5.data.tiny_data import MULTIMODAL_TOKENS, write_tiny_hf_assets
 
     check_output_path(out_dir, overwrite=overwrite)  # refuse before building anything
     kw = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
@@ -159,6 +162,8 @@ def write_checkpoint(out_dir: str, hf_config: dict, fmt: str = "fp32", mtp: bool
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(config_json, fh, indent=2)
         _save_sharded(sd, tmp, shard_mb, save_file)
+        if all(field in config_json for _, field in MULTIMODAL_TOKENS):
+            write_tiny_hf_assets(tmp, config_json)
     return out_dir
 
 

@@ -63,6 +63,52 @@ def make_tiny_tokenizer(out_dir: str, vocab_size: int = 200, seed: int = 0) -> s
     return train_tiny_tokenizer(texts, os.path.join(out_dir, "tokenizer.json"), vocab_size)
 
 
+# GLM-5.3's multimodal special tokens and the config fields holding their ids
+MULTIMODAL_TOKENS = (("<|image|>", "image_token_id"), ("<|video|>", "video_token_id"),
+                     ("<|begin_of_image|>", "image_start_token_id"), ("<|end_of_image|>", "image_end_token_id"),
+                     ("<|begin_of_video|>", "video_start_token_id"), ("<|end_of_video|>", "video_end_token_id"))
+
+
+def write_tiny_hf_assets(hf_dir: str, hf_config: dict) -> str:
+    """What a released HF checkpoint ships beside its weights, for a tiny config: the generated tokenizer padded with
+    reserved tokens up to the first multimodal id and GLM's multimodal tokens at the config's ids, its tokenizer
+    config, a chat template and the image processor's config. Returns ``hf_dir``."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    ids = [int(hf_config[field]) for _, field in MULTIMODAL_TOKENS]
+    if ids != list(range(ids[0], ids[0] + len(ids))):
+        raise ValueError(f"the multimodal token ids {ids} are not consecutive")
+    path = make_tiny_tokenizer(hf_dir, vocab_size=ids[0])
+    tok = Tokenizer.from_file(path)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(n, ids[0])]
+                           + [AddedToken(t, special=True, normalized=False) for t, _ in MULTIMODAL_TOKENS])
+    tok.save(path)
+    if [tok.token_to_id(t) for t, _ in MULTIMODAL_TOKENS] != ids:
+        raise ValueError("the tiny tokenizer's multimodal tokens do not land on the config's ids")
+    vision = hf_config.get("vision_config") or {}
+    files = {
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                                  "pad_token": "<|endoftext|>", "model_max_length": 4096},
+        "special_tokens_map.json": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+        "preprocessor_config.json": {"image_processor_type": "Glm5NextImageProcessor",
+                                     "processor_class": "Glm5NextProcessor",
+                                     "patch_size": vision.get("patch_size", 14),
+                                     "temporal_patch_size": vision.get("temporal_patch_size", 2),
+                                     "merge_size": vision.get("spatial_merge_size", 2)},
+        "processor_config.json": {"processor_class": "Glm5NextProcessor"},
+    }
+    for name, obj in files.items():
+        with open(os.path.join(hf_dir, name), "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=2)
+    with open(os.path.join(hf_dir, "chat_template.jinja"), "w", encoding="utf-8") as fh:
+        fh.write("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return hf_dir
+
+
 def make_text_jsonl(path: str, n: int, seed: int = 0) -> str:
     """A JSONL of ``n`` ``{"text": ...}`` documents."""
     with open(path, "w", encoding="utf-8") as f:
