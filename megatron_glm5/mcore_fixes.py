@@ -13,7 +13,9 @@ against ``megatron.core.package_info.__version__``; each bug was read in and rep
 * ``DistributedOptimizer._set_main_param_and_optimizer_states`` (loading the fully reshardable and the DP-zero
   formats) copies every tensor of the torch optimizer's per-parameter state from the checkpoint, ``step`` included,
   which torch Adam keeps there but the formats store per param group (and which ``load_state_dict`` has already
-  set): a KeyError. The replacement copies the param and the optimizer's state tensors and leaves ``step`` alone.
+  set): a KeyError. The DP-reshardable load (megatron's default format) calls it with autograd on, and its in-place
+  copy into fp32 main params (views of parameters that require grad) raises a RuntimeError. The replacement copies
+  the param and the optimizer's state tensors under ``torch.no_grad()`` and leaves ``step`` alone.
 * ``DistributedOptimizer.sharded_param_state_fully_reshardable`` (saving that format) reads each parameter's state
   at its index in the gradient buffer, padding between buckets included, out of ``get_parameter_state_dp_zero``'s
   tensors, which leave that padding out. With more than one bucket (the shared embedding gets a bucket of its own
@@ -81,9 +83,10 @@ def _set_main_param_and_optimizer_states(self, model_param, tensors):
     main_param = self.optimizer.param_groups[group_index]["params"][group_order]
     destinations = {"param": main_param, **{k: v for k, v in self.optimizer.state[main_param].items()
                                             if k != "step" and isinstance(v, torch.Tensor)}}
-    for key, dst in destinations.items():
-        if isinstance(tensors[key], torch.Tensor):
-            dst.copy_(tensors[key])
+    with torch.no_grad():  # the DP-reshardable load calls this with autograd on; fp32 main params require grad
+        for key, dst in destinations.items():
+            if isinstance(tensors[key], torch.Tensor):
+                dst.copy_(tensors[key])
 
 
 def _buffer_layout_state(self, state):

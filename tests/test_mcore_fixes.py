@@ -210,3 +210,39 @@ def test_fully_reshardable_load_restores_the_adam_state(mcore, monkeypatch, tmp_
     _upstream(monkeypatch, "distrib_optimizer_load_keeps_step")
     with pytest.raises(KeyError, match="step"):
         load()
+
+
+def test_dp_reshardable_load_copies_without_autograd(mcore, monkeypatch, tmp_path):
+    """The DP-reshardable format (megatron's default): saved after 2 steps, loaded into a fresh optimizer, the same
+    weights and moments; megatron-core's own copy runs with autograd on and writes in place into fp32 main params
+    that are views of parameters requiring grad (a RuntimeError)."""
+    from megatron.core import dist_checkpointing
+
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    mcore_fixes.apply_mcore_fixes()
+    module, opt, inner = _distributed_adam(seed=0, steps=2)
+    want = _adam_state(inner, module)
+    want_params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=metadata)
+    dist_checkpointing.save({"optimizer": sd}, str(tmp_path))
+
+    def load():
+        module2, opt2, inner2 = _distributed_adam(seed=1)
+        loaded = dist_checkpointing.load(
+            {"optimizer": opt2.sharded_state_dict(module2.sharded_state_dict(), is_loading=True, metadata=metadata)},
+            str(tmp_path))
+        opt2.load_state_dict(loaded["optimizer"])
+        return module2, inner2
+
+    module2, inner2 = load()
+    got = _adam_state(inner2, module2)
+    for name in want:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[name][k], want[name][k]), (name, k)
+        group, order = inner2.model_param_group_index_map[dict(module2.named_parameters())[name]]
+        main = inner2.optimizer.param_groups[group]["params"][order]
+        assert torch.equal(main.detach().view(want_params[name].shape), want_params[name]), name
+
+    _upstream(monkeypatch, "distrib_optimizer_load_keeps_step")
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        load()
