@@ -332,10 +332,10 @@ def test_converted_hf_checkpoint_first_step_loss_equals_hf_forward(tmp_path):
         proc = run(cmd[1:], script=cmd[0])
         assert proc.returncode == 0, proc.stderr[-2000:]
     args = ["--hf-config", str(hf), "--mock-data", "--seq-length", "32", "--micro-batch-size", "1",
-            "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--seed", "7"]
+            "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--seed", "7", "--eval-iters", "0"]
     proc = run(args + ["--pretrained-checkpoint", str(mc), "--tensorboard-dir", str(tmp_path / "tb")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "loaded model weights from" in proc.stdout
+    assert f"loading release distributed checkpoint from {mc}" in proc.stdout
     train_loss = dict(scalars(tmp_path / "tb")["lm loss"])[1]
 
     # the same first micro batch, through the data builder the run used
