@@ -22,6 +22,10 @@ against ``megatron.core.package_info.__version__``; each bug was read in and rep
   under pipeline parallelism, or ``overlap_grad_reduce`` buckets) every later parameter's saved state is shifted
   and its end filled with zeros (upstream warns "param range exceeds unpadded buffer"). The fix hands it the
   tensors laid out like the buffer.
+* ``DistributedOptimizer.load_state_dict`` without Apex / Transformer Engine gives every parameter's torch-optimizer
+  state the *same* ``step`` tensor. torch's Adam increments each parameter's ``step`` in place (``_foreach_add_``),
+  so after a resume the shared counter advances once per parameter per iteration and the bias corrections are
+  wrong from the first step on. The replacement gives each parameter its own copy.
 
 Entry points call :func:`apply_mcore_fixes` (idempotent); importing this module changes nothing.
 """
@@ -120,6 +124,14 @@ def _fully_reshardable(self, model_sharded_state_dict, is_loading=False, metadat
         del self.get_parameter_state_dp_zero
 
 
+def _distrib_load_state_dict(self, state_dict):
+    """Upstream's load, then every parameter's torch-optimizer ``step`` a tensor of its own."""
+    UPSTREAM["distrib_optimizer_step_per_param"](self, state_dict)
+    for state in self.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
 _DistOpt = distrib_optimizer.DistributedOptimizer
 # name -> (class, attribute, replacement)
 FIXES: Dict[str, Tuple[type, str, object]] = {
@@ -128,6 +140,7 @@ FIXES: Dict[str, Tuple[type, str, object]] = {
     "distrib_optimizer_load_keeps_step": (_DistOpt, "_set_main_param_and_optimizer_states",
                                           _set_main_param_and_optimizer_states),
     "distrib_optimizer_bucket_padding": (_DistOpt, "sharded_param_state_fully_reshardable", _fully_reshardable),
+    "distrib_optimizer_step_per_param": (_DistOpt, "load_state_dict", _distrib_load_state_dict),
 }
 # megatron-core's own functions, as found when this module was imported
 UPSTREAM: Dict[str, object] = {name: getattr(owner, attr) for name, (owner, attr, _) in FIXES.items()}

@@ -91,6 +91,14 @@ class _Tiny(torch.nn.Module):
         return self.c(self.b(self.a(x)))
 
 
+def _adam_step(ddp, opt):
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(torch.randn(4, 13)).square().sum().backward()
+    ddp.finish_grad_sync()
+    opt.step()
+
+
 def _distributed_adam(seed: int, steps: int = 0):
     """(module, megatron DistributedOptimizer) after ``steps`` Adam steps on random inputs."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -115,11 +123,8 @@ def _distributed_adam(seed: int, steps: int = 0):
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
                                                  params_dtype=torch.float32), [ddp])
     for _ in range(steps):
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        ddp(torch.randn(4, 13)).square().sum().backward()
-        ddp.finish_grad_sync()
-        opt.step()
+        _adam_step(ddp, opt)
+    module.ddp = [ddp]  # for further steps (a list: not a submodule)
     inner = getattr(opt, "chained_optimizers", [opt])[0]
     assert isinstance(inner, mcore_fixes.distrib_optimizer.DistributedOptimizer)
     assert len(inner.buffers[0].buckets) == 2
@@ -246,3 +251,31 @@ def test_dp_reshardable_load_copies_without_autograd(mcore, monkeypatch, tmp_pat
     _upstream(monkeypatch, "distrib_optimizer_load_keeps_step")
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         load()
+
+
+def test_resumed_adam_counts_each_step_once(mcore, monkeypatch, tmp_path):
+    """2 Adam steps, save, load into a fresh optimizer, 1 step: every parameter's step count is 3; megatron-core's
+    load shares one step tensor between the parameters, which torch's Adam then increments once per parameter."""
+    from megatron.core import dist_checkpointing
+
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    mcore_fixes.apply_mcore_fixes()
+    module, opt, inner = _distributed_adam(seed=0, steps=2)
+    sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=metadata)
+    dist_checkpointing.save({"optimizer": sd}, str(tmp_path))
+
+    def resume():
+        module2, opt2, inner2 = _distributed_adam(seed=1)
+        loaded = dist_checkpointing.load(
+            {"optimizer": opt2.sharded_state_dict(module2.sharded_state_dict(), is_loading=True, metadata=metadata)},
+            str(tmp_path))
+        opt2.load_state_dict(loaded["optimizer"])
+        _adam_step(module2.ddp[0], opt2)
+        return inner2
+
+    inner2 = resume()
+    assert {float(s["step"]) for s in inner2.optimizer.state.values()} == {3.0}
+    assert len(inner2.optimizer.state) > 1
+
+    _upstream(monkeypatch, "distrib_optimizer_step_per_param")
+    assert {float(s["step"]) for s in resume().optimizer.state.values()} != {3.0}
