@@ -26,6 +26,9 @@ against ``megatron.core.package_info.__version__``; each bug was read in and rep
   state the *same* ``step`` tensor. torch's Adam increments each parameter's ``step`` in place (``_foreach_add_``),
   so after a resume the shared counter advances once per parameter per iteration and the bias corrections are
   wrong from the first step on. The replacement gives each parameter its own copy.
+* ``DistributedOptimizer.sharded_param_state_dp_reshardable`` (saving megatron's default format) fills the gaps
+  between parameters in the buffer with ``torch.empty`` tensors, so two saves of the same state differ in those
+  bytes (uninitialised memory, also NaN / 1e38 patterns). The replacement saves zeros there.
 
 Entry points call :func:`apply_mcore_fixes` (idempotent); importing this module changes nothing.
 """
@@ -132,6 +135,31 @@ def _distrib_load_state_dict(self, state_dict):
             state["step"] = state["step"].clone()
 
 
+def _padding_entries(tree):
+    """The per-tensor dicts that ``sharded_param_state_dp_reshardable`` marks as padding."""
+    if isinstance(tree, dict):
+        marker = tree.get("padding")
+        if getattr(marker, "obj", False) is True:
+            yield tree
+            return
+        for value in tree.values():
+            yield from _padding_entries(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _padding_entries(value)
+
+
+def _dp_reshardable_zero_padding(self, *args, **kwargs):
+    """Upstream's DP-reshardable sharded state, its padding between parameters zero instead of ``torch.empty``."""
+    state = UPSTREAM["distrib_optimizer_zero_padding"](self, *args, **kwargs)
+    for entry in _padding_entries(state):
+        for value in entry.values():
+            data = getattr(value, "data", None)
+            if isinstance(data, torch.Tensor):
+                data.zero_()
+    return state
+
+
 _DistOpt = distrib_optimizer.DistributedOptimizer
 # name -> (class, attribute, replacement)
 FIXES: Dict[str, Tuple[type, str, object]] = {
@@ -141,6 +169,7 @@ FIXES: Dict[str, Tuple[type, str, object]] = {
                                           _set_main_param_and_optimizer_states),
     "distrib_optimizer_bucket_padding": (_DistOpt, "sharded_param_state_fully_reshardable", _fully_reshardable),
     "distrib_optimizer_step_per_param": (_DistOpt, "load_state_dict", _distrib_load_state_dict),
+    "distrib_optimizer_zero_padding": (_DistOpt, "sharded_param_state_dp_reshardable", _dp_reshardable_zero_padding),
 }
 # megatron-core's own functions, as found when this module was imported
 UPSTREAM: Dict[str, object] = {name: getattr(owner, attr) for name, (owner, attr, _) in FIXES.items()}

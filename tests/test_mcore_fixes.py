@@ -279,3 +279,25 @@ def test_resumed_adam_counts_each_step_once(mcore, monkeypatch, tmp_path):
 
     _upstream(monkeypatch, "distrib_optimizer_step_per_param")
     assert {float(s["step"]) for s in resume().optimizer.state.values()} != {3.0}
+
+
+def test_dp_reshardable_save_writes_zeros_between_parameters(mcore, monkeypatch):
+    """The buffer's gaps between parameters (the tiny module's buckets have them) are saved as zeros; megatron-core
+    saves the uninitialised memory of torch.empty there (filled here with NaN to make it visible)."""
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    mcore_fixes.apply_mcore_fixes()
+    module, opt, inner = _distributed_adam(seed=0, steps=1)
+
+    def padding(state):
+        return [v.data for e in mcore_fixes._padding_entries(state) for v in e.values()
+                if isinstance(getattr(v, "data", None), torch.Tensor)]
+
+    fixed = padding(opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=metadata))
+    assert fixed and all(bool((t == 0).all()) for t in fixed)
+
+    _upstream(monkeypatch, "distrib_optimizer_zero_padding")
+    real_empty = torch.empty
+    monkeypatch.setattr(mcore_fixes.distrib_optimizer.torch, "empty",
+                        lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    upstream = padding(opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=metadata))
+    assert upstream and all(bool(t.isnan().all()) for t in upstream)
