@@ -37,4 +37,4 @@ fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 torchrun --nproc-per-node "$NPROC" --standalone pretrain_glm5_vlm.py "${ARGS[@]}"
 
-"$PY" tools/convert_mcore_to_hf.py --load "$OUT/checkpoints" --out "$OUT/hf_export"
+"$PY" tools/convert_mcore_to_hf.py --load "$OUT/checkpoints" --hf-assets "$HF" --out "$OUT/hf_export"

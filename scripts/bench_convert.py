@@ -257,7 +257,7 @@ def main(argv=None) -> int:
         if rc != 0:
             print(f"bench_convert: converter failed with exit code {rc}", file=sys.stderr)
             return 1
-        with open(os.path.join(out_dir, "conversion_info.json")) as fh:
+        with open(os.path.join(out_dir, "release", "conversion_info.json")) as fh:
             info = json.load(fh)
         out_b = info["checkpoint_bytes"]
         print(f"output: {out_b / 1e9:.2f} GB torch_dist ({a.dtype}), {info['num_tensors']} tensors, "

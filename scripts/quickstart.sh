@@ -24,5 +24,5 @@ touch "$out/.quickstart"
     --dataset-type vqa --data-path "$out/data/vqa/vqa.jsonl" --tokenizer-model "$out/data" --split 1,0,0 \
     --seq-length 96 --micro-batch-size 1 --global-batch-size 2 --train-iters 6 --lr 5e-3 --lr-warmup-iters 1 \
     --moe-aux-loss-coeff 1e-3 --eval-iters 0 --save "$out/checkpoints" --save-interval 6 --tensorboard-dir "$out/tensorboard" --log-interval 2
-"$PY" tools/convert_mcore_to_hf.py --load "$out/checkpoints/iter_0000006" --out "$out/tiny_hf_trained"
+"$PY" tools/convert_mcore_to_hf.py --load "$out/checkpoints" --hf-assets "$out/tiny_hf" --out "$out/tiny_hf_trained"
 echo "quickstart: done; TensorBoard events in $out/tensorboard, trained model in $out/tiny_hf_trained"
