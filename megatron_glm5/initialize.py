@@ -16,6 +16,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def install_patches() -> None:
+    """This project's changes to megatron-core, installed by every entry point (idempotent): the fixes of
+    :mod:`megatron_glm5.mcore_fixes` for the versions that need them, and the MoE token permutation of
+    :mod:`megatron_glm5.models.token_permutation` in megatron-core's dispatchers."""
+    from megatron_glm5.mcore_fixes import apply_mcore_fixes
+    from megatron_glm5.models import token_permutation
+
+    apply_mcore_fixes()
+    token_permutation.install()
+
+
 def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
                         seed: int = 1234, backend: str | None = None, etp: int | None = None) -> None:
     """Initialise torch.distributed (from torchrun's env, or a 1-process group) and megatron's parallel state.
@@ -24,12 +35,14 @@ def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp:
     expert, ``etp`` expert-tensor (None: = tp), ``cp`` context parallel size; the data-parallel size is what is
     left: ``world / (tp * pp * cp)`` (experts: ``world / (etp * ep * pp)``). A layout that does not divide the world
     size raises ``ValueError`` with one line. On a machine without CUDA this also enables
-    :mod:`megatron_glm5.cpu_compat` and uses gloo.
+    :mod:`megatron_glm5.cpu_compat` and uses gloo; it installs this project's megatron-core changes
+    (:func:`install_patches`).
     """
     if not torch.cuda.is_available():
         from megatron_glm5.cpu_compat import enable_cpu_compat
 
         enable_cpu_compat()
+    install_patches()
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if "RANK" not in os.environ:
@@ -71,6 +84,7 @@ def ensure_initialized(require_tp1: bool = False, who: str = "this tool") -> Non
 
     ``require_tp1``: refuse an existing state whose TP/PP/EP/CP sizes are not all 1 (tools that build the whole
     model on the meta device; the world may hold several data-parallel writer processes)."""
+    install_patches()
     if not parallel_state.model_parallel_is_initialized():
         initialize_megatron()
         return

@@ -27,6 +27,13 @@ def _transformers_reference_on_cpu() -> None:
             setattr(hf, name, fn.__wrapped__)
 
 
+def pytest_sessionstart(session):
+    """The tests are an entry point: this project's megatron-core changes, as every tool installs them."""
+    from megatron_glm5.initialize import install_patches
+
+    install_patches()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         # GPU runs on shapes FLA has not tuned yet: GLM5_FLA_TUNE_CONFIGS=N trims its autotuners (kernels/fla_tuning)

@@ -482,3 +482,25 @@ def test_checkpoint_is_megatron_lms_own(tmp_path, mcore):
         assert torch.equal(tensor, want), key
         checked += 1
     assert checked >= 20
+
+
+def test_ctrl_c_is_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) during training: one line naming the intact
+    checkpoint, exit 130, no traceback from the trainer or its helper processes."""
+    import signal
+
+    cmd = [sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py")] + TINY + [
+        "--mock-data", "--train-iters", "50", "--save", str(tmp_path / "ck"), "--save-interval", "2"]
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:
+        if "iteration        3/" in line:
+            os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+            break
+    proc.stdout.read()
+    err = [ln for ln in proc.stderr.read().splitlines() if ln.strip()]
+    assert proc.wait(timeout=300) == 130, err
+    assert len(err) == 1 and "interrupted; the last checkpoint (iteration 2)" in err[0], err

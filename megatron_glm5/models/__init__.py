@@ -1,7 +1,2 @@
-"""GLM-5.3-Flash modules built from megatron-core specs."""
-
-from megatron_glm5.mcore_fixes import apply_mcore_fixes
-from megatron_glm5.models import token_permutation
-
-apply_mcore_fixes()  # megatron-core bugs without Apex / Transformer Engine (idempotent; entry points call it too)
-token_permutation.install()
+"""GLM-5.3-Flash modules built from megatron-core specs. Importing them changes nothing in megatron-core: the entry
+points install this project's megatron-core changes (:func:`megatron_glm5.initialize.install_patches`)."""

@@ -1,10 +1,11 @@
 """The training entry: ``run_pretrain`` hands the providers of ``pretrain_glm5_vlm.py`` to Megatron-LM's
 ``megatron.training.pretrain``.
 
-Before Megatron-LM starts: megatron-core's fixes (:mod:`megatron_glm5.mcore_fixes`), on a machine without CUDA the
-CPU redirects (:mod:`megatron_glm5.cpu_compat`), this model's hooks (:mod:`megatron_glm5.training.megatron_hooks`),
-then the flags (:func:`megatron_glm5.training.arguments.parse_args`: one line and exit 2 on a bad one). A run
-stopped by too many non-finite steps in a row exits 1 with one line.
+Before Megatron-LM starts: on a machine without CUDA the CPU redirects (:mod:`megatron_glm5.cpu_compat`), this
+project's megatron-core changes (:func:`megatron_glm5.initialize.install_patches`), this model's hooks into the
+trainer (:mod:`megatron_glm5.training.megatron_hooks`, :mod:`megatron_glm5.training.flops`), then the flags
+(:func:`megatron_glm5.training.arguments.parse_args`: one line and exit 2 on a bad one). A run stopped by too many
+non-finite steps in a row exits 1 with one line; Ctrl-C (SIGINT) ends it with one line and exit 130.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
         from megatron_glm5.cpu_compat import enable_cpu_compat
 
         enable_cpu_compat()
-    from megatron_glm5.mcore_fixes import apply_mcore_fixes
+    from megatron_glm5.initialize import install_patches
 
-    apply_mcore_fixes()
+    install_patches()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -91,4 +92,7 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     except megatron_hooks.TrainingStopped as e:
         print(f"{prog}: error: {e}{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
+        return 130
     return 0

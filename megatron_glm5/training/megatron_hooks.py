@@ -16,8 +16,8 @@
 * **The checkpoint writer's helper process dies with the trainer.** megatron-core's torch_dist writer keeps its
   results queue in a ``multiprocessing`` manager process, started on the first save, that inherits the trainer's
   stdout / stderr and outlives it when the trainer is killed (a ``| tee`` or a launcher then waits forever). The
-  queue is made here, by a manager whose process gets SIGKILL when the trainer dies (``PR_SET_PDEATHSIG``) and
-  writes to /dev/null.
+  queue is made here, by a manager whose process gets SIGKILL when the trainer dies (``PR_SET_PDEATHSIG``), leaves
+  Ctrl-C to the trainer and writes to /dev/null.
 * **The dataset helpers are not rebuilt.** ``initialize_megatron`` runs ``make`` in megatron-core's ``datasets``
   folder to build its C++ index helpers; the released wheel ships them built (``helpers_cpp``) and no Makefile, so
   the ``make`` fails and the run exits. The build is skipped when ``helpers_cpp`` imports.
@@ -152,6 +152,7 @@ def _die_with_parent() -> None:
     import os
     import signal
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer answers it
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux
