@@ -222,3 +222,18 @@ def test_layout_that_does_not_divide_is_refused(flags, world, needle, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "error: model config:" in lines[0] and needle in lines[0], lines
     assert not (tmp_path / "tb").exists()
+
+
+def test_data_parallel_change_keeps_the_rng_state(tmp_path):
+    """Saved by one rank, resumed by two (DP 1 -> 2, same TP / PP): Megatron-LM keeps the one RNG state it saved
+    (without --data-parallel-random-init every DP rank shares it) and the run goes on from iteration 2."""
+    common = ["--model-preset", "glm5-tiny", "--mock-data", "--seq-length", "32", "--micro-batch-size", "1",
+              "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3", "--eval-iters", "0",
+              "--save", str(tmp_path / "ck"), "--save-interval", "2"]
+    first = run(common + ["--exit-interval", "2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(common + ["--load", str(tmp_path / "ck")], nproc=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "at iteration 2" in second.stdout and "RNG state not found" not in second.stdout
+    assert "(TP, PP) mismatch" not in second.stdout
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
