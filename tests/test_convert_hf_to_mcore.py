@@ -110,15 +110,18 @@ def test_bf16_checkpoint_loads_bitwise_like_hf_loader(ckpts, reference):
     with open(os.path.join(ckpts["bf16_out"], "latest_checkpointed_iteration.txt")) as fh:
         assert fh.read() == "release"
     files = sorted(os.listdir(ckpts["bf16"]))
-    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "checksums.sha256", "conversion_info.json",
-                     "hf_config.json", "metadata.json"]
+    assets = sorted(f for f in os.listdir(ckpts["hf"]) if f.startswith(("tokenizer", "special_tokens", "chat_template",
+                                                                        "preprocessor", "processor")))
+    assert assets  # the tiny HF checkpoint ships them, as the release does
+    assert files == sorted([".metadata", "__0_0.distcp", "__0_1.distcp", "checksums.sha256", "conversion_info.json",
+                            "hf_config.json", "metadata.json"] + assets)
     with open(os.path.join(ckpts["bf16"], "hf_config.json")) as fh:
         assert json.load(fh) == json.loads(json.dumps(Glm5Config.from_hf(ckpts["hf"]).to_hf_dict()))
     with open(os.path.join(ckpts["bf16"], "conversion_info.json")) as fh:
         info = json.load(fh)
     assert info["dtype"] == "bf16" and info["layout"] == {"tp": 1, "pp": 1, "ep": 1}
     assert info["source"] == os.path.abspath(ckpts["hf"]) and info["tensor_bytes"] > 0
-    assert info["hf_assets"] == []  # the tiny HF checkpoint has no tokenizer (test_convert_mcore_to_hf adds one)
+    assert info["hf_assets"] == assets  # carried through into the checkpoint
     assert not [f for f in os.listdir(ckpts["root"]) if f.startswith(".")]  # no temporary folder left
     # the meta-device build leaked no meta tensor into megatron's module-level state (later real backward passes)
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler

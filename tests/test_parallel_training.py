@@ -179,21 +179,22 @@ for _name in LAYOUTS:  # test_parallel_tp2, test_parallel_tp2_sp, ... one named 
     globals()[f"test_parallel_{_name}"] = _layout_test(_name)
 
 
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2_dp2(workdir, data, mcore):
-    """Adam with the distributed optimizer: 2 steps at TP2 x PP2, then the third step at EP2 x DP2 from that
-    checkpoint (weights, Adam moments, scheduler and data position resharded). The third step's loss equals the
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_dp4(workdir, data, mcore):
+    """Adam with the distributed optimizer: 2 steps at TP2 x PP2 (saved fully reshardable), then the third step at
+    DP4 from that checkpoint (weights, Adam moments, scheduler and data position resharded). The third step's loss equals the
     one-rank run's, and so do the weights after it (which need the loaded Adam moments)."""
     hf, init = _initial_checkpoint(workdir, "moe4")
     ref_losses, ref_weights = _reference(workdir, data, "moe4", [], "adam")
     common = _common(hf, data, "adam") + ["--use-distributed-optimizer"]
     ck = workdir / "reshard" / "ckpt"
+    # Megatron-LM: a distributed-optimizer checkpoint that must load at another TP / PP is saved fully reshardable
     first = run(common + ["--pretrained-checkpoint", str(init), "--save", str(ck), "--save-interval", "100",
-                          "--exit-interval", "2",
+                          "--exit-interval", "2", "--dist-ckpt-optim-fully-reshardable",
                           "--tensor-model-parallel-size", "2", "--sequence-parallel",
                           "--pipeline-model-parallel-size", "2"], nproc=4, timeout=1500)
     assert first.returncode == 0, first.stderr[-4000:]
     second = run(common + ["--load", str(ck), "--save", str(ck), "--save-interval", "100",
-                           "--expert-model-parallel-size", "2",
+                           "--expert-model-parallel-size", "1",
                            "--tensorboard-dir", str(workdir / "reshard" / "tb")], nproc=4, timeout=1500)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "iteration 2" in second.stdout, second.stdout[-2000:]
@@ -237,3 +238,23 @@ def test_data_parallel_change_keeps_the_rng_state(tmp_path):
     assert "at iteration 2" in second.stdout and "RNG state not found" not in second.stdout
     assert "(TP, PP) mismatch" not in second.stdout
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_optimizer_state_megatron_cannot_reshard_is_one_line(tmp_path):
+    """Distributed-optimizer state in Megatron-LM's default (DP-reshardable) format loads only at the TP / PP it was
+    saved at, and any distributed-optimizer state only at its EP: resuming it elsewhere is refused with one line
+    naming the ways out, before any work."""
+    common = ["--model-preset", "glm5-tiny", "--mock-data", "--seq-length", "32", "--micro-batch-size", "1",
+              "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0",
+              "--use-distributed-optimizer", "--save", str(tmp_path / "ck"), "--save-interval", "1"]
+    first = run(common + ["--exit-interval", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"], nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(common + ["--load", str(tmp_path / "ck")], env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    lines = error_lines(second)
+    assert second.returncode == 2 and len(lines) == 1, second.stderr[-2000:]
+    assert "--load:" in lines[0] and "TP 2 PP 1" in lines[0] and "--dist-ckpt-optim-fully-reshardable" in lines[0]
+    other_ep = run(common + ["--load", str(tmp_path / "ck"), "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+                   env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    lines = error_lines(other_ep)
+    assert other_ep.returncode == 2 and len(lines) == 1 and "saved at EP 1" in lines[0], other_ep.stderr[-2000:]

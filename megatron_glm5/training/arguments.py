@@ -200,7 +200,12 @@ _ARCHITECTURE_FLAGS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", 
 def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
     """--load / --pretrained-checkpoint: Megatron-LM's layout, this architecture
     (:mod:`megatron_glm5.training.checkpoint_checks`); --load may hold no checkpoint yet."""
-    from megatron_glm5.training.checkpoint_checks import CheckpointDirError, check_architecture, checkpoint_in
+    from megatron_glm5.training.checkpoint_checks import (
+        CheckpointDirError,
+        check_architecture,
+        check_resume_layout,
+        checkpoint_in,
+    )
 
     for flag in ("load", "pretrained_checkpoint"):
         path, name = getattr(args, flag), "--" + flag.replace("_", "-")
@@ -213,6 +218,8 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
                 raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt)")
             if ckpt is not None:
                 check_architecture(ckpt, hf)
+                if flag == "load":
+                    check_resume_layout(ckpt, args)
         except CheckpointDirError as e:
             raise ArgumentError(name, str(e)) from None
 

@@ -46,3 +46,46 @@ def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
     if ("vision_config" in saved) != ("vision_config" in hf_config):
         raise CheckpointDirError(f"{ckpt_dir} is a checkpoint of another architecture: vision tower "
                                  f"{'present' if 'vision_config' in saved else 'absent'} there")
+
+
+LAYOUT_FNAME = "parallel_layout.json"  # written beside every save of the trainer (megatron_hooks)
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "context_parallel_size", "data_parallel_size",
+                 "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable")
+
+
+def layout_record(args) -> dict:
+    """The parallel layout and optimizer-state format of a run, as :data:`LAYOUT_FNAME` records it."""
+    return {k: getattr(args, k, None) for k in LAYOUT_FIELDS}
+
+
+def check_resume_layout(ckpt_dir: str, args) -> None:
+    """Refuse (one line) to resume, with its optimizer state, a distributed-optimizer checkpoint that Megatron-LM cannot
+    load at this layout (it stops with a traceback in the middle of loading): one saved at another expert-parallel
+    size, or in the DP-reshardable format (the default) at another TP / PP."""
+    path = os.path.join(ckpt_dir, LAYOUT_FNAME)
+    if not os.path.isfile(path) or args.finetune or args.no_load_optim or not args.use_distributed_optimizer:
+        return
+    try:
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointDirError(f"{path}: unreadable ({e})") from None
+    if not isinstance(saved, dict) or not saved.get("use_distributed_optimizer"):
+        return
+    ep_was, ep_now = saved.get("expert_model_parallel_size"), args.expert_model_parallel_size
+    if ep_was is not None and ep_was != ep_now:
+        raise CheckpointDirError(
+            f"{ckpt_dir} holds distributed-optimizer state saved at EP {ep_was}: Megatron-LM loads it only at the "
+            f"same expert-parallel size (its optimizer is split by it; this run: EP {ep_now}): resume at EP {ep_was}, "
+            f"or leave the optimizer state out (--no-load-optim)")
+    if saved.get("dist_ckpt_optim_fully_reshardable"):
+        return
+    was = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"))
+    now = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if was != now:
+        raise CheckpointDirError(
+            f"{ckpt_dir} holds distributed-optimizer state saved at TP {was[0]} PP {was[1]} in the DP-reshardable "
+            f"format, which loads only at that TP / PP (this run: TP {now[0]} PP {now[1]}): resume at TP {was[0]} "
+            f"PP {was[1]}, leave the optimizer state out (--no-load-optim), or save with "
+            f"--dist-ckpt-optim-fully-reshardable")

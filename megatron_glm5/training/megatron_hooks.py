@@ -10,8 +10,9 @@
   weights pair with the right parameters.
 * **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
   layout (megatron-core has none), so that its checkpoints load.
-* **Every checkpoint carries its architecture.** ``hf_config.json`` (the run's HF config) is written into each
-  checkpoint folder Megatron-LM saves: the HF exporter reads it, and so does the ``--load`` check
+* **Every checkpoint carries its architecture and layout.** ``hf_config.json`` (the run's HF config) and
+  ``parallel_layout.json`` (parallel sizes, optimizer-state format) are written into each checkpoint folder
+  Megatron-LM saves: the HF exporter reads the first, the ``--load`` checks both
   (:mod:`megatron_glm5.training.checkpoint_checks`).
 * **The checkpoint writer's helper process dies with the trainer.** megatron-core's torch_dist writer keeps its
   results queue in a ``multiprocessing`` manager process, started on the first save, that inherits the trainer's
@@ -126,14 +127,16 @@ class _Glm5DistCheckpointing:
         from megatron.training import get_args
 
         from megatron_glm5.checkpoint.hf_to_mcore import HF_CONFIG_FNAME
+        from megatron_glm5.training.checkpoint_checks import LAYOUT_FNAME, layout_record
 
         out = self._module.save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         run = get_args()
         if (not dist.is_initialized() or dist.get_rank() == 0) and getattr(run, "hf_config_dict", None):
-            tmp = os.path.join(checkpoint_dir, HF_CONFIG_FNAME + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(run.hf_config_dict, fh, indent=2)
-            os.replace(tmp, os.path.join(checkpoint_dir, HF_CONFIG_FNAME))
+            for name, record in ((HF_CONFIG_FNAME, run.hf_config_dict), (LAYOUT_FNAME, layout_record(run))):
+                tmp = os.path.join(checkpoint_dir, name + ".tmp")
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    json.dump(record, fh, indent=2)
+                os.replace(tmp, os.path.join(checkpoint_dir, name))
         if self.kill_at is not None and self.kill_at in (run.curr_iteration + 1, run.iteration):
             os.kill(os.getpid(), signal.SIGKILL)
         return out
