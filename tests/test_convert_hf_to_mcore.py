@@ -39,6 +39,7 @@ def _load_mcore(model, ckpt, strict="assume_ok_unexpected"):
     from megatron.core import dist_checkpointing
 
     sd = dist_checkpointing.load(model.sharded_state_dict(), ckpt, strict=strict)
+    sd.pop("checkpoint_version", None)  # the common state Megatron-LM's loader reads
     model.load_state_dict(sd, strict=True)
     return model
 
@@ -150,11 +151,17 @@ def test_megatron_lm_reads_the_tracker_and_loads_release(ckpts):
     model = _build(ckpts["hf"])
     before = {k: v.clone() for k, v in _tensors(model).items()}
     sd = dist_checkpointing.load(model.sharded_state_dict(), name, strict="raise_all")
+    sd.pop("checkpoint_version", None)  # the common state Megatron-LM's loader reads
     model.load_state_dict(sd, strict=True)
     after = _tensors(model)
     assert sum(not torch.equal(before[k], after[k]) for k in after) > 0.9 * len(after)  # weights came from OUT
     assert checkpoint_in(out) == resolve_checkpoint_dir(out) == os.path.join(out, "release")
     assert resolve_checkpoint_dir(ckpts["bf16"]) == ckpts["bf16"]
+
+
+def _tensors(state: dict) -> dict:
+    """The tensors of a loaded checkpoint (its common state, e.g. ``checkpoint_version``, left out)."""
+    return {k: v for k, v in state.items() if torch.is_tensor(v)}
 
 
 def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
@@ -164,7 +171,11 @@ def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
 
     ref_dir = tmp_path / "mcore_save"
     ref_dir.mkdir()
-    dist_checkpointing.save(reference.sharded_state_dict(), str(ref_dir))
+    from megatron_glm5.checkpoint.megatron_layout import CHECKPOINT_VERSION
+
+    dist_checkpointing.save({**reference.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION},
+                            str(ref_dir))
+    assert dist_checkpointing.load_common_state_dict(str(ref_dir)) == {"checkpoint_version": CHECKPOINT_VERSION}
     with open(ref_dir / "metadata.json") as a, open(os.path.join(ckpts["bf16"], "metadata.json")) as b:
         assert json.load(a) == json.load(b)
     assert (dist_checkpointing.load_common_state_dict(str(ref_dir))
@@ -177,7 +188,7 @@ def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
         if hasattr(ma[k], "chunks"):
             assert ma[k].size == mb[k].size and ma[k].properties.dtype == mb[k].properties.dtype, k
             assert sorted(map(repr, ma[k].chunks)) == sorted(map(repr, mb[k].chunks)), k
-    a, b = dist_checkpointing.load_plain_tensors(str(ref_dir)), dist_checkpointing.load_plain_tensors(ckpts["bf16"])
+    a, b = (_tensors(dist_checkpointing.load_plain_tensors(p)) for p in (str(ref_dir), ckpts["bf16"]))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
 
 
@@ -296,7 +307,7 @@ def test_two_workers_equal_one(ckpts, tmp_path):
     distcp = {f for f in os.listdir(out) if f.endswith(".distcp")}
     assert distcp == {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"}
     assert all(os.path.getsize(out / f) > 50_000 for f in distcp)  # balanced
-    a, b = dist_checkpointing.load_plain_tensors(ckpts["bf16"]), dist_checkpointing.load_plain_tensors(str(out))
+    a, b = (_tensors(dist_checkpointing.load_plain_tensors(p)) for p in (ckpts["bf16"], str(out)))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert dist_checkpointing.load_common_state_dict(str(out)) == dist_checkpointing.load_common_state_dict(
         ckpts["bf16"])

@@ -77,6 +77,8 @@ def _initial_checkpoint(workdir, variant: str):
         return root, root / "ckpt"
     from megatron.core import dist_checkpointing
 
+    from megatron_glm5.checkpoint.megatron_layout import CHECKPOINT_VERSION
+
     from megatron_glm5.config import Glm5Config
     from megatron_glm5.models.builder import build_model
 
@@ -91,7 +93,8 @@ def _initial_checkpoint(workdir, variant: str):
     model = build_model(Glm5Config.from_hf(hf, use_cpu_initialization=True))
     # Megatron-LM's layout of converted weights: a 'release' checkpoint named by the tracker
     (root / "ckpt" / "release").mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), str(root / "ckpt" / "release"))
+    dist_checkpointing.save({**model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION},
+                            str(root / "ckpt" / "release"))
     (root / "ckpt" / "release" / "hf_config.json").write_text(json.dumps(hf))
     (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text("release")
     return root, root / "ckpt"

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_glm5.checkpoint.checksums import HashingFile
 from megatron_glm5.checkpoint.lazy_sources import LazyTensors, TensorSource, prepare_sharded_state_dict
+from megatron_glm5.checkpoint.megatron_layout import CHECKPOINT_VERSION
 from megatron_glm5.checkpoint.torch_record import TorchRecordWriter
 
 RECORDS = TorchRecordWriter()  # the process's torch.save record writer (its caches and dtype checks are shared)
@@ -261,6 +262,7 @@ def save_streaming(model, sources: Dict[str, TensorSource], reader, out_dir: str
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ssd, lazy, mine, total = prepare_sharded_state_dict(model, sources, reader, rank, world)
+    ssd["checkpoint_version"] = CHECKPOINT_VERSION  # the common state Megatron-LM's loader reads
     strategy = _strategy_cls()(lazy, on_bytes, threads, final_dir)
     dist_checkpointing.save(ssd, out_dir, sharded_strategy=strategy, validate_access_integrity=True)
     end = time.time()

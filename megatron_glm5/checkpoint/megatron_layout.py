@@ -116,3 +116,8 @@ def write_release_tracker(root: str) -> str:
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(RELEASE)
     return path
+
+
+# the ``checkpoint_version`` Megatron-LM's trainer writes into a checkpoint's common state (``save_checkpoint``); an
+# older or missing one makes its loader convert legacy QKV layouts (and refuse virtual pipeline stages)
+CHECKPOINT_VERSION = 3.0
