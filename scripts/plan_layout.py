@@ -543,6 +543,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # megatron-core's layout parser logs every layout
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
 
     from megatron_glm5.config import PRESETS, Glm5ConfigError
 
