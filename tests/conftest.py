@@ -55,3 +55,18 @@ def mcore():
 
     initialize_megatron(tp=1, pp=1, ep=1, cp=1, seed=1234)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A generated tokenizer, indexed text corpus and VQA set, as tools/make_tiny_data.py writes them."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path_factory.mktemp("tiny_data")
+    proc = subprocess.run([sys.executable, os.path.join(repo, "tools", "make_tiny_data.py"), "--out", str(out),
+                           "--text-docs", "8", "--vqa-docs", "12"], capture_output=True, text=True, cwd=repo)
+    assert proc.returncode == 0, proc.stderr
+    return out

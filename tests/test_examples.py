@@ -25,14 +25,6 @@ def _bash(args, env=None, timeout=900):
     return subprocess.run(["bash"] + args, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("examples_data")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_data.py"), "--out", str(out),
-                           "--text-docs", "8", "--vqa-docs", "12"], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
 
 def test_tiny_cpu_example_trains_and_resumes(tmp_path):
     out = tmp_path / "tiny"

@@ -132,6 +132,26 @@ def _distributed_adam(seed: int, steps: int = 0):
 
 
 METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _save_optimizer(module, opt, path, metadata):
+    from megatron.core import dist_checkpointing
+
+    sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=metadata)
+    dist_checkpointing.save({"optimizer": sd}, str(path))
+
+
+def _fresh_optimizer_loaded(path, metadata):
+    """(module, inner distributed optimizer, chained optimizer) of a fresh seed-1 Adam loaded from ``path``."""
+    from megatron.core import dist_checkpointing
+
+    module, opt, inner = _distributed_adam(seed=1)
+    loaded = dist_checkpointing.load(
+        {"optimizer": opt.sharded_state_dict(module.sharded_state_dict(), is_loading=True, metadata=metadata)},
+        str(path))
+    opt.load_state_dict(loaded["optimizer"])
+    return module, inner, opt
 
 
 def _adam_state(inner, module):
@@ -188,21 +208,13 @@ def test_fully_reshardable_save_reads_each_state_at_its_buffer_index(mcore, monk
 def test_fully_reshardable_load_restores_the_adam_state(mcore, monkeypatch, tmp_path):
     """Saved after 2 steps, loaded into a fresh optimizer: the same moments and step count; megatron-core's own
     copy asks the checkpoint for torch Adam's per-parameter ``step`` (a KeyError)."""
-    from megatron.core import dist_checkpointing
-
     mcore_fixes.apply_mcore_fixes()
     module, opt, inner = _distributed_adam(seed=0, steps=2)
     want = _adam_state(inner, module)
-    sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=METADATA)
-    dist_checkpointing.save({"optimizer": sd}, str(tmp_path))
+    _save_optimizer(module, opt, tmp_path, METADATA)
 
     def load():
-        module2, opt2, inner2 = _distributed_adam(seed=1)
-        loaded = dist_checkpointing.load(
-            {"optimizer": opt2.sharded_state_dict(module2.sharded_state_dict(), is_loading=True, metadata=METADATA)},
-            str(tmp_path))
-        opt2.load_state_dict(loaded["optimizer"])
-        return module2, inner2
+        return _fresh_optimizer_loaded(tmp_path, METADATA)[:2]
 
     module2, inner2 = load()
     got = _adam_state(inner2, module2)
@@ -221,23 +233,14 @@ def test_dp_reshardable_load_copies_without_autograd(mcore, monkeypatch, tmp_pat
     """The DP-reshardable format (megatron's default): saved after 2 steps, loaded into a fresh optimizer, the same
     weights and moments; megatron-core's own copy runs with autograd on and writes in place into fp32 main params
     that are views of parameters requiring grad (a RuntimeError)."""
-    from megatron.core import dist_checkpointing
-
-    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
     mcore_fixes.apply_mcore_fixes()
     module, opt, inner = _distributed_adam(seed=0, steps=2)
     want = _adam_state(inner, module)
     want_params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=metadata)
-    dist_checkpointing.save({"optimizer": sd}, str(tmp_path))
+    _save_optimizer(module, opt, tmp_path, DP_RESHARDABLE)
 
     def load():
-        module2, opt2, inner2 = _distributed_adam(seed=1)
-        loaded = dist_checkpointing.load(
-            {"optimizer": opt2.sharded_state_dict(module2.sharded_state_dict(), is_loading=True, metadata=metadata)},
-            str(tmp_path))
-        opt2.load_state_dict(loaded["optimizer"])
-        return module2, inner2
+        return _fresh_optimizer_loaded(tmp_path, DP_RESHARDABLE)[:2]
 
     module2, inner2 = load()
     got = _adam_state(inner2, module2)
@@ -256,20 +259,12 @@ def test_dp_reshardable_load_copies_without_autograd(mcore, monkeypatch, tmp_pat
 def test_resumed_adam_counts_each_step_once(mcore, monkeypatch, tmp_path):
     """2 Adam steps, save, load into a fresh optimizer, 1 step: every parameter's step count is 3; megatron-core's
     load shares one step tensor between the parameters, which torch's Adam then increments once per parameter."""
-    from megatron.core import dist_checkpointing
-
-    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
     mcore_fixes.apply_mcore_fixes()
     module, opt, inner = _distributed_adam(seed=0, steps=2)
-    sd = opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=metadata)
-    dist_checkpointing.save({"optimizer": sd}, str(tmp_path))
+    _save_optimizer(module, opt, tmp_path, DP_RESHARDABLE)
 
     def resume():
-        module2, opt2, inner2 = _distributed_adam(seed=1)
-        loaded = dist_checkpointing.load(
-            {"optimizer": opt2.sharded_state_dict(module2.sharded_state_dict(), is_loading=True, metadata=metadata)},
-            str(tmp_path))
-        opt2.load_state_dict(loaded["optimizer"])
+        module2, inner2, opt2 = _fresh_optimizer_loaded(tmp_path, DP_RESHARDABLE)
         _adam_step(module2.ddp[0], opt2)
         return inner2
 
@@ -284,7 +279,7 @@ def test_resumed_adam_counts_each_step_once(mcore, monkeypatch, tmp_path):
 def test_dp_reshardable_save_writes_zeros_between_parameters(mcore, monkeypatch):
     """The buffer's gaps between parameters (the tiny module's buckets have them) are saved as zeros; megatron-core
     saves the uninitialised memory of torch.empty there (filled here with NaN to make it visible)."""
-    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    metadata = DP_RESHARDABLE
     mcore_fixes.apply_mcore_fixes()
     module, opt, inner = _distributed_adam(seed=0, steps=1)
 

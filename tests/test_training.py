@@ -23,15 +23,6 @@ ISSUE_FLAGS = """--tensor-model-parallel-size --pipeline-model-parallel-size --n
   --eval-iters --tensorboard-dir --log-interval --exit-interval --freeze-vision --hf-config --model-preset""".split()
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    """A generated tokenizer, indexed text corpus and VQA set (tools/make_tiny_data.py)."""
-    out = tmp_path_factory.mktemp("data")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_data.py"), "--out", str(out),
-                           "--text-docs", "8", "--vqa-docs", "12"], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
 
 def test_help_lists_the_megatron_flags():
     proc = run(["--help"])

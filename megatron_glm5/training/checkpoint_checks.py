@@ -25,19 +25,25 @@ ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", 
                      "layer_types", "mlp_layer_types", "n_shared_experts")
 
 
+def _json_object(path: str) -> dict:
+    """The JSON object in ``path`` (a :class:`CheckpointDirError` naming it when unreadable or not an object)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            obj = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointDirError(f"{path}: unreadable ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointDirError(f"{path}: not a JSON object")
+    return obj
+
+
 def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
     """Refuse a checkpoint whose ``hf_config.json`` describes another architecture than ``hf_config`` (one line
     naming the first differing field); a checkpoint without one is not checked here."""
     path = os.path.join(ckpt_dir, HF_CONFIG_FNAME)
     if not os.path.isfile(path):
         return
-    try:
-        with open(path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointDirError(f"{path}: unreadable ({e})") from None
-    if not isinstance(saved, dict):
-        raise CheckpointDirError(f"{path}: not a JSON object")
+    saved = _json_object(path)
     a, b = saved.get("text_config", saved), hf_config.get("text_config", hf_config)
     for key in ARCHITECTURE_KEYS:
         if key in a and key in b and a[key] != b[key]:
@@ -66,12 +72,8 @@ def check_resume_layout(ckpt_dir: str, args) -> None:
     path = os.path.join(ckpt_dir, LAYOUT_FNAME)
     if not os.path.isfile(path) or args.finetune or args.no_load_optim or not args.use_distributed_optimizer:
         return
-    try:
-        with open(path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointDirError(f"{path}: unreadable ({e})") from None
-    if not isinstance(saved, dict) or not saved.get("use_distributed_optimizer"):
+    saved = _json_object(path)
+    if not saved.get("use_distributed_optimizer"):
         return
     ep_was, ep_now = saved.get("expert_model_parallel_size"), args.expert_model_parallel_size
     if ep_was is not None and ep_was != ep_now:
