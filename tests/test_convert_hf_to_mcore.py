@@ -159,7 +159,7 @@ def test_megatron_lm_reads_the_tracker_and_loads_release(ckpts):
     assert resolve_checkpoint_dir(ckpts["bf16"]) == ckpts["bf16"]
 
 
-def _tensors(state: dict) -> dict:
+def _tensor_entries(state: dict) -> dict:
     """The tensors of a loaded checkpoint (its common state, e.g. ``checkpoint_version``, left out)."""
     return {k: v for k, v in state.items() if torch.is_tensor(v)}
 
@@ -188,7 +188,7 @@ def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
         if hasattr(ma[k], "chunks"):
             assert ma[k].size == mb[k].size and ma[k].properties.dtype == mb[k].properties.dtype, k
             assert sorted(map(repr, ma[k].chunks)) == sorted(map(repr, mb[k].chunks)), k
-    a, b = (_tensors(dist_checkpointing.load_plain_tensors(p)) for p in (str(ref_dir), ckpts["bf16"]))
+    a, b = (_tensor_entries(dist_checkpointing.load_plain_tensors(p)) for p in (str(ref_dir), ckpts["bf16"]))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
 
 
@@ -307,7 +307,7 @@ def test_two_workers_equal_one(ckpts, tmp_path):
     distcp = {f for f in os.listdir(out) if f.endswith(".distcp")}
     assert distcp == {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"}
     assert all(os.path.getsize(out / f) > 50_000 for f in distcp)  # balanced
-    a, b = (_tensors(dist_checkpointing.load_plain_tensors(p)) for p in (ckpts["bf16"], str(out)))
+    a, b = (_tensor_entries(dist_checkpointing.load_plain_tensors(p)) for p in (ckpts["bf16"], str(out)))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert dist_checkpointing.load_common_state_dict(str(out)) == dist_checkpointing.load_common_state_dict(
         ckpts["bf16"])
