@@ -28,15 +28,16 @@ def _quiet_megatron() -> None:
 
 def _last_checkpoint(save: Optional[str]) -> str:
     """'; the last checkpoint (iteration N) in SAVE is intact' when SAVE's tracker names one."""
-    if not save:
-        return ""
-    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, read_tracker
+
     try:
-        with open(tracker, encoding="utf-8") as fh:
-            last = fh.read().strip()
-    except (OSError, UnicodeDecodeError):
+        folder = read_tracker(save) if save else None
+    except CheckpointDirError:
         return ""
-    return f"; the last checkpoint (iteration {last}) in {save} is intact" if last else ""
+    if folder is None:
+        return ""
+    last = str(int(folder[len("iter_"):])) if folder.startswith("iter_") else folder
+    return f"; the last checkpoint (iteration {last}) in {save} is intact"
 
 
 def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable,
