@@ -5,7 +5,8 @@ Before Megatron-LM starts: on a machine without CUDA the CPU redirects (:mod:`me
 project's megatron-core changes (:func:`megatron_glm5.initialize.install_patches`), this model's hooks into the
 trainer (:mod:`megatron_glm5.training.megatron_hooks`, :mod:`megatron_glm5.training.flops`), then the flags
 (:func:`megatron_glm5.training.arguments.parse_args`: one line and exit 2 on a bad one). A run stopped by too many
-non-finite steps in a row exits 1 with one line; Ctrl-C (SIGINT) ends it with one line and exit 130.
+non-finite steps in a row, a save that fails (full disk) or a ``--save`` another run holds
+(:mod:`megatron_glm5.training.save_guard`) exits 1 with one line; Ctrl-C (SIGINT) ends it with one line and exit 130.
 """
 
 from __future__ import annotations
@@ -79,9 +80,11 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
               f"(TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, EP "
               f"{args.expert_model_parallel_size}, CP {args.context_parallel_size}, DP {args.data_parallel_size})")
         return 0
+    from megatron_glm5.training import save_guard
+
     if args.save:
         megatron_hooks.install_checkpoint_writer_queue()
-    print_rank_0(megatron_hooks.describe())
+    print_rank_0(megatron_hooks.describe() + "; --save: " + ", ".join(save_guard.install()))
     if args.test_kill_during_save is not None:
         megatron_hooks.install_test_kill_during_save(args.test_kill_during_save)
     from megatron.training.training import set_startup_timestamps
@@ -89,8 +92,12 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
     cfg = pretrain_cfg_container_from_args(args)
     try:
-        pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
-    except megatron_hooks.TrainingStopped as e:
+        with save_guard.save_lock(args):  # rank 0 holds --save for the run
+            pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    except save_guard.SaveGuardError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (megatron_hooks.TrainingStopped, save_guard.SaveFailed) as e:
         print(f"{prog}: error: {e}{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
