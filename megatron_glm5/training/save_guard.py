@@ -68,16 +68,16 @@ class SaveFailed(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- what a save root holds
-def _kind_of_foreign(root: str, names: List[str]) -> str:
-    """What the entries ``names`` of ``root`` that no save root holds look like, for the message."""
+def _kind_of_foreign(names: List[str]) -> str:
+    """What the entries ``names`` that no save root holds look like, with what to do, for the message."""
     lower = {n.lower() for n in names}
     if RELEASE in lower or "checksums.sha256" in lower or "conversion_info.json" in lower:
-        return "a converted checkpoint (converter output): give it as --pretrained-checkpoint"
+        return "a converted checkpoint (converter output), which is a --pretrained-checkpoint, not a --save folder"
     if "config.json" in lower or any(n.endswith((".safetensors", ".safetensors.index.json")) for n in lower):
         return "an HF checkpoint"
-    if any(n.endswith((".bin", ".idx", ".jsonl", ".json", ".tar", ".parquet", ".npy")) for n in lower):
-        return "a data set or other files"
-    return "other files"
+    if any(n.endswith((".bin", ".idx", ".jsonl", ".tar", ".parquet", ".npy")) for n in lower):
+        return "a data set"
+    return "files that are not this model's training checkpoints"
 
 
 def save_root_contents(root: str, allowed_extra: Tuple[str, ...] = ()) -> Tuple[Optional[int], List[str]]:
@@ -109,9 +109,8 @@ def save_root_contents(root: str, allowed_extra: Tuple[str, ...] = ()) -> Tuple[
             foreign.append(name)
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise SaveGuardError(f"{root} holds {shown}: {_kind_of_foreign(root, foreign)}, not this model's training "
-                             "checkpoints; --save writes only into a new or empty folder or one holding this model's "
-                             "training checkpoints (give another --save)")
+        raise SaveGuardError(f"{root} holds {shown}: {_kind_of_foreign(foreign)}; a save folder is new, empty, or "
+                             "holds only this model's training checkpoints: give another folder")
     try:
         tracked = read_tracker(root)
     except CheckpointDirError as e:
@@ -343,6 +342,26 @@ def _saving(save_checkpoint):
     return save
 
 
+def _finalizing(maybe_finalize_async_save):
+    """Megatron-LM's ``maybe_finalize_async_save`` turning a failed asynchronous save into :class:`SaveFailed`."""
+
+    @functools.wraps(maybe_finalize_async_save)
+    def finalize(*args, **kwargs):
+        try:
+            return maybe_finalize_async_save(*args, **kwargs)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            from megatron.training import get_args
+
+            save = get_args().save
+            raise SaveFailed(f"--save {save}: an asynchronous checkpoint save could not be finished "
+                             f"({_writer_error(e, save)}; its folder is incomplete and not tracked)") from e
+
+    finalize.glm5_hook = True
+    return finalize
+
+
 def _writer_error(e: BaseException, root: str) -> str:
     """The most telling reason of a failed save: an OSError in the exception chain; else the state of the file system
     of ``root`` (torch's zip writer reports a full disk as 'unexpected pos'); else the error a writer thread hit
@@ -430,6 +449,8 @@ def install() -> List[str]:
     if not getattr(training.save_checkpoint, "glm5_hook", False):
         training.save_checkpoint = _saving(training.save_checkpoint)
         done.append("a failed save is one line, the tracker on the last complete checkpoint")
+    if not getattr(training.maybe_finalize_async_save, "glm5_hook", False):
+        training.maybe_finalize_async_save = _finalizing(training.maybe_finalize_async_save)
     if not getattr(FileSystemWriterAsync.write_preloaded_data, "glm5_hook", False):
         FileSystemWriterAsync.write_preloaded_data = _recording_writer(FileSystemWriterAsync.write_preloaded_data)
     if not getattr(checkpointing._async_delete_checkpoint_impl, "glm5_hook", False):
