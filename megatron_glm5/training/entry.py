@@ -98,7 +98,8 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
     except (megatron_hooks.TrainingStopped, save_guard.SaveFailed) as e:
-        print(f"{prog}: error: {e}{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
+        if not isinstance(e, save_guard.SaveFailed) or os.environ.get("RANK", "0") == "0":  # every rank has it
+            print(f"{prog}: error: {e}{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
