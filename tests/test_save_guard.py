@@ -302,9 +302,10 @@ def test_read_only_save_is_refused_up_front(base, tmp_path):
 
 
 @needs_mounts
-def test_full_disk_mid_save_keeps_the_last_checkpoint(base, tmp_path):
-    """A disk that fills up during the save of iteration 4 (a 12 MiB tmpfs holding the 7.7 MiB checkpoint of
-    iteration 2): one line naming the disk and the intact checkpoint, exit 1; the tracker stays on 2 and iteration 2
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_mid_save_keeps_the_last_checkpoint(base, tmp_path, mode):
+    """A disk that fills up during the (--async-save too) save of iteration 4 (a 12 MiB tmpfs holding the 7.7 MiB
+    checkpoint of iteration 2): one line naming the disk and the intact checkpoint, exit 1; the tracker stays on 2 and iteration 2
     byte-identical; resumed from there, the run ends bit for bit where the uninterrupted one did."""
     src = copy_first_checkpoint(base["ckpt"], tmp_path / "src")
     out, mnt = tmp_path / "after", tmp_path / "mnt"
@@ -313,13 +314,16 @@ def test_full_disk_mid_save_keeps_the_last_checkpoint(base, tmp_path):
     before = tree_hashes(src)
     q = shlex.quote
     proc = _run_in_namespace(f"mount -t tmpfs -o size=12m tmpfs {q(str(mnt))} && cp -a {q(src)}/. {q(str(mnt))}/",
-                             COMMON + ["--save", str(mnt), "--load", str(mnt)],
+                             COMMON + ["--save", str(mnt), "--load", str(mnt)]
+                             + (["--async-save"] if mode == "async" else []),
                              after=f"cp -a {q(str(mnt))}/. {q(str(out))}/")
     line = one_error_line(proc, 1)
     assert "the checkpoint of iteration 4 could not be written (No space left on device" in line, line
     assert line.endswith(f"the last checkpoint (iteration 2) in {mnt} is intact"), line
     after = tree_hashes(out)
     assert {k: after[k] for k in before} == before  # the tracker and iteration 2, byte for byte
+    if mode == "async":
+        return
     resumed = run(COMMON + ["--save", str(out), "--load", str(out)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_state(os.path.join(base["ckpt"], "iter_0000004"), out / "iter_0000004")
@@ -350,17 +354,25 @@ def test_kill_at_a_random_point_of_a_save_resumes_bitwise(base, tmp_path, point)
 
 
 # ---------------------------------------------------------------------------- Megatron-LM's deletions
-def test_retain_interval_deletes_only_this_runs_checkpoints(base, tmp_path):
-    """--save-retain-interval deletes the previous checkpoint at each save unless it is on the interval: a resumed
-    run keeps the checkpoints an earlier run wrote (2 and 4 byte-identical) and deletes only its own (6)."""
+def test_retain_interval_and_non_persistent_clean_up_delete_only_this_runs_checkpoints(base, tmp_path):
+    """--save-retain-interval deletes the previous checkpoint at each save unless it is on the interval, and the
+    non-persistent clean-up every non-persistent checkpoint but the newest: a resumed run keeps what an earlier run
+    wrote (checkpoints 2 and 4, a non-persistent 1, byte-identical) and deletes only its own (6; non-persistent 5
+    is kept as the newest before 7)."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(base["ckpt"], ckpt)
+    os.makedirs(os.path.join(ckpt, "non_persistent", "iter_0000001"))
+    with open(os.path.join(ckpt, "non_persistent", "iter_0000001", "__0_0.distcp"), "wb") as fh:
+        fh.write(b"earlier run")
     before = tree_hashes(ckpt)
     proc = run(TINY + ["--mock-data", "--train-iters", "8", "--lr-decay-iters", "4", "--save-interval", "2",
-                       "--save-retain-interval", "8", "--override-opt_param-scheduler", "--save", ckpt, "--load", ckpt])
+                       "--save-retain-interval", "8", "--override-opt_param-scheduler", "--non-persistent-save-interval",
+                       "1", "--non-persistent-ckpt-type", "global", "--save", ckpt, "--load", ckpt])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "keeping the checkpoint of iteration 4" in proc.stdout
     after = tree_hashes(ckpt)
     assert {k: after.get(k) for k in before if k != TRACKER} == {k: v for k, v in before.items() if k != TRACKER}
     assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == ["iter_0000002", "iter_0000004",
                                                                             "iter_0000008"]
+    assert sorted(n for n in os.listdir(os.path.join(ckpt, "non_persistent")) if n.startswith("iter_")) == [
+        "iter_0000001", "iter_0000005", "iter_0000007"]
