@@ -330,7 +330,7 @@ def test_full_disk_mid_save_keeps_the_last_checkpoint(base, tmp_path, mode):
 
 
 # ---------------------------------------------------------------------------- SIGKILL inside a save
-@pytest.mark.parametrize("point", ["seed0", "seed1", "seed2", "last"])
+@pytest.mark.parametrize("point", ["seed0", "seed1", pytest.param("seed2", marks=pytest.mark.slow), "last"])
 def test_kill_at_a_random_point_of_a_save_resumes_bitwise(base, tmp_path, point):
     """SIGKILL at a random write / rename of the save of iteration 4 (seeded; 'last': just before the tracker's
     rename): the tracker stays on 2 and iteration 2 byte-identical; the same command resumes from 2 and ends bit
