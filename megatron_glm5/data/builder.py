@@ -108,8 +108,9 @@ def _build_gpt(args, model_config, tokenizer, sizes, mock: bool):
         raise DataError(f"megatron-core's compiled dataset helpers are missing ({e}); see docs/data.md") from None
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
+
+    from megatron_glm5.data.indexed import check_indexed_dataset
 
     if mock:
         config = _gpt_config(args, tokenizer or _MockTokenizer(model_config.vocab_size), None)
@@ -123,14 +124,11 @@ def _build_gpt(args, model_config, tokenizer, sizes, mock: bool):
             raise DataError(f"--data-path: expected PREFIX ... or WEIGHT PREFIX ..., got {args.data_path}") from None
         if weights is not None and any(not (w > 0) for w in weights):
             raise DataError(f"--data-path: weights must be positive, got {weights}")
-        for p in prefixes:
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(p + ext):
-                    raise DataError(f"--data-path: {p}{ext} not found (write it with tools/preprocess_data.py)")
+        counts = {p: check_indexed_dataset(p) for p in prefixes}  # one line for a missing / corrupt .bin/.idx
         matrix = _split_matrix(args.split)
         config = _gpt_config(args, tokenizer, (prefixes, weights))
         for p in prefixes:  # splits without documents (or without samples to draw) are not built
-            n = len(IndexedDataset(p, mmap=True))
+            n = counts[p]
             for i, bookend in enumerate(matrix):
                 if bookend is not None:
                     beg, end = _split_range(bookend, n)
