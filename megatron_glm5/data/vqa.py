@@ -42,6 +42,7 @@ import torch
 
 from megatron_glm5.cli import one_line
 from megatron_glm5.data import DataError
+from megatron_glm5.data.jsonl import parse_json, text_field
 from megatron_glm5.data.pack import assemble_row, first_fit
 
 USER_PREFIX = "<|user|>\n"
@@ -124,35 +125,8 @@ class VQARecord:
     where: str
 
 
-def _text(value, key: str, where: str) -> str:
-    if not isinstance(value, str):
-        raise DataError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise DataError(f"{where}: {key!r} holds a lone surrogate (\\ud800-\\udfff escape), not text") from None
-    return value
-
-
 def _record(obj, where: str) -> tuple:
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    for key in ("question", "answer"):
-        if key not in obj:
-            raise DataError(f"{where}: missing key {key!r}")
-    return _text(obj["question"], "question", where), _text(obj["answer"], "answer", where)
-
-
-def parse_json(text, where: str):
-    """``json.loads(text)``; :class:`DataError` naming ``where`` for bad JSON, nesting too deep for Python."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:
-        raise DataError(f"{where}: JSON nested too deeply") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return text_field(obj, "question", where), text_field(obj, "answer", where)
 
 
 def _inside(path: str, root: str) -> bool:
@@ -176,7 +150,7 @@ def read_jsonl(path: str) -> List[VQARecord]:
                 image = obj.get("image")
                 ref = None
                 if image is not None:
-                    image = _text(image, "image", where)
+                    image = text_field(obj, "image", where)
                     full = os.path.join(base, image)
                     if os.path.isabs(image) or not _inside(os.path.realpath(full), root):
                         raise DataError(f"{where}: image {image!r} lies outside {base} (image paths are relative "
