@@ -512,14 +512,14 @@ def test_make_tiny_data_never_overwrites(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------- pretrain runs
 def _pretrain(args, data_args):
-    return run(TINY + ["--train-iters", "2", "--num-workers", "0"] + data_args + args)
+    return run(TINY + ["--train-iters", "3", "--num-workers", "0"] + data_args + args)
 
 
 def test_pretrain_corrupt_idx_and_pickled_cache_are_one_line(data, tmp_path):
     prefix = _copy_corpus(data, tmp_path)
     _mutate(prefix, "idx_dtype")
     before = _hashes(tmp_path)
-    proc = _pretrain([], ["--data-path", prefix, "--tokenizer-model", data.tok_path, "--split", "1,0,0"])
+    proc = _pretrain([], ["--data-path", prefix, "--tokenizer-model", str(data.dir), "--split", "1,0,0"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = _one_line("\n".join(error_lines(proc)), "pretrain_glm5_vlm.py: error: ", prefix + ".idx", "another dtype")
     assert line and _hashes(tmp_path) == before
@@ -527,13 +527,13 @@ def test_pretrain_corrupt_idx_and_pickled_cache_are_one_line(data, tmp_path):
     # a cache folder holding a crafted pickle where megatron looks for the shuffle index
     good = _copy_corpus(data, tmp_path, "g")
     cache = tmp_path / "cache"
-    args = _args(data_path=[good], data_cache_path=str(cache), split="1,0,0", seq_length=32, train_iters=2)
+    args = _args(data_path=[good], data_cache_path=str(cache), split="1,0,0", seq_length=32, train_iters=3)
     build_train_valid_test_datasets(args, tiny_config(), data.tok)
     target = next(p for p in cache.iterdir() if p.name.endswith("train-shuffle_index.npy"))
     marker = tmp_path / "PWNED"
     _pickle_npy(target, marker)
     before = _hashes(tmp_path, target)
-    proc = _pretrain([], ["--data-path", good, "--tokenizer-model", data.tok_path, "--split", "1,0,0",
+    proc = _pretrain([], ["--data-path", good, "--tokenizer-model", str(data.dir), "--split", "1,0,0",
                           "--data-cache-path", str(cache)])
     assert proc.returncode == 1, proc.stderr[-3000:]
     _one_line("\n".join(error_lines(proc)), "pretrain_glm5_vlm.py: error: ", str(target), "pickled")
@@ -555,7 +555,7 @@ def test_pretrain_text_with_placeholder_ids_keeps_them_out_of_the_loss(data, tmp
         b.add_document(torch.tensor(np.append(doc, 0)), [21])
     b.finalize(prefix + ".idx")
     before = _hashes(prefix + ".bin", prefix + ".idx")
-    proc = _pretrain([], ["--data-path", prefix, "--tokenizer-model", data.tok_path, "--split", "1,0,0"])
+    proc = _pretrain([], ["--data-path", prefix, "--tokenizer-model", str(data.dir), "--split", "1,0,0"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "image/video placeholder ids kept out of the loss" in proc.stdout
@@ -567,7 +567,7 @@ def test_pretrain_vqa_with_an_image_cut_mid_file_trains_and_counts(data, tmp_pat
     d = _vqa_dir(tmp_path, {f"{i}.png": png if i else png[:len(png) // 2] for i in range(4)})
     before = _hashes(d)
     proc = _pretrain(["--seq-length", "64"], ["--dataset-type", "vqa", "--data-path", str(d / "v.jsonl"),
-                                              "--tokenizer-model", data.tok_path, "--split", "1,0,0"])
+                                              "--tokenizer-model", str(data.dir), "--split", "1,0,0"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     assert "0.png: unreadable image" in proc.stdout and "document(s) with an unreadable image skipped" in proc.stdout

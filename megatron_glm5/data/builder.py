@@ -14,7 +14,9 @@ Three sources, chosen by ``args``:
 Sample counts follow Megatron-LM: train ``train_iters * global_batch_size`` (or ``train_samples``), valid
 ``(train_iters // eval_interval + 1) * eval_iters * global_batch_size``, test ``eval_iters * global_batch_size``.
 A split that gets no documents (e.g. the ``1`` of ``949,50,1`` on a small corpus) or no samples is ``None``.
-Bad input raises :class:`~megatron_glm5.data.DataError` (one line naming the flag) before anything is built.
+Bad input raises :class:`~megatron_glm5.data.DataError` (one line naming the flag or file) before anything is built:
+every ``.bin`` / ``.idx`` pair is checked first (:func:`megatron_glm5.data.indexed.check_indexed_dataset`); the
+index caches are megatron-core's, read without pickle and checked (:mod:`megatron_glm5.data.index_cache`).
 """
 
 from __future__ import annotations
