@@ -572,3 +572,18 @@ def test_pretrain_vqa_with_an_image_cut_mid_file_trains_and_counts(data, tmp_pat
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     assert "0.png: unreadable image" in proc.stdout and "document(s) with an unreadable image skipped" in proc.stdout
     assert _hashes(d) == before
+
+
+def test_blended_index_cache_truncated_is_rebuilt(data, tmp_path, capsys):
+    a, b = _copy_corpus(data, tmp_path, "a"), _copy_corpus(data, tmp_path, "b")
+    cache = tmp_path / "cache"
+    args = _args(data_path=["0.3", a, "0.7", b], data_cache_path=str(cache), split="1,0,0")
+    train = build_train_valid_test_datasets(args, tiny_config(), data.tok)[0]
+    clean = _samples(train)
+    assert type(train).__name__ == "BlendedDataset"
+    target = next(p for p in cache.iterdir() if p.name.endswith("-dataset_index.npy"))
+    with open(target, "r+b") as f:
+        f.truncate(os.path.getsize(target) - 2)
+    capsys.readouterr()
+    assert _samples(build_train_valid_test_datasets(args, tiny_config(), data.tok)[0]) == clean
+    assert "BlendedDataset-train-description.txt: dataset index cache unreadable" in capsys.readouterr().out

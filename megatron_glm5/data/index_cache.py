@@ -136,8 +136,10 @@ def cached_indices(owner, upstream: Callable, cache_dir: str, base: str, names: 
     if arrays is not None:
         return arrays
     if _rank() != 0:
-        raise DataError(f"{paths['description']}: the dataset index cache rank 0 built is {why} on this rank (is "
-                        f"--data-cache-path on a file system every rank shares?)")
+        e = DataError(f"{paths['description']}: the dataset index cache rank 0 built is {why} on rank {_rank()} "
+                      f"(is --data-cache-path on a file system every rank shares?)")
+        e.rank_local = True  # only this rank sees it: it prints the line
+        raise e
     if why != "incomplete":
         _notice(f"{paths['description']}: dataset index cache {why}: rebuilding it")
     os.makedirs(cache_dir, exist_ok=True)
@@ -185,7 +187,12 @@ def gpt_check(ds) -> Callable:
         epochs = ds._get_num_epochs(ds._get_num_tokens_per_epoch())
         if len(doc) != epochs * n_docs:
             return f"document_index has {len(doc)} entries, not {epochs} epoch(s) x {n_docs} documents"
-        if n_docs and not np.array_equal(np.sort(np.asarray(doc)), np.sort(np.tile(ds.indices, epochs))):
+        d = np.asarray(doc)
+        if len(d) and (d.min() < 0 or d.max() >= len(ds.dataset)):
+            return "document_index names documents outside the dataset"
+        expected = np.zeros(len(ds.dataset), dtype=np.int64)
+        expected[ds.indices] = epochs
+        if len(d) and not np.array_equal(np.bincount(d, minlength=len(ds.dataset)), expected):
             return "document_index does not hold this split's documents"
         if sample.shape[0] < 2 or sample.shape[1] != 2:
             return f"sample_index has shape {sample.shape}"
