@@ -93,29 +93,44 @@ def _datasets(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True  # every rank reads its own micro batches
 
 
-DATA_COUNTS = {"placeholder_tokens_masked": 0, "documents_skipped": 0}
+DATA_COUNTS = {"placeholder_tokens_masked": 0, "documents_skipped": 0, "reported": 0}
 """Totals of this rank: text tokens that are image/video placeholder ids kept out of the loss, packed documents
-skipped because their image could not be read."""
+skipped because their image could not be read; ``reported``: the iteration of the last report."""
+
+
+def _report_data_counts(iteration: int, log_interval: int) -> None:
+    """The totals as one line, on the first occurrence and then at most once per ``--log-interval`` iterations."""
+    if DATA_COUNTS["reported"] and iteration - DATA_COUNTS["reported"] < max(log_interval, 1):
+        return
+    DATA_COUNTS["reported"] = iteration
+    parts = []
+    if DATA_COUNTS["placeholder_tokens_masked"]:
+        parts.append(f"{DATA_COUNTS['placeholder_tokens_masked']} text token(s) that are image/video placeholder ids "
+                     f"kept out of the loss")
+    if DATA_COUNTS["documents_skipped"]:
+        parts.append(f"{DATA_COUNTS['documents_skipped']} document(s) with an unreadable image skipped")
+    print(f"data: up to iteration {iteration} on this rank: {'; '.join(parts)}", flush=True)
 
 
 def _checked_rows(batch: dict, config) -> dict:
     """A micro batch as the loader gave it, checked: token ids outside the model's vocabulary end the run (one line,
-    exit 1: the data was tokenized for another model); in text rows (no ``cu_seqlens``: indexed or mock data)
-    positions whose token or label is an image/video placeholder id get ``loss_mask`` 0 and are counted (a text
-    corpus holding literal ``<|image|>`` strings must not teach the model to emit or follow placeholders without
-    images); packed rows report the documents they skipped (``skipped_documents``, an unreadable image), counted.
-    Both counts are printed when they grow."""
+    exit 1: the data was tokenized for another model); in indexed text rows (no ``cu_seqlens``, not
+    ``--mock-data``) positions whose token or label is an image/video placeholder id get ``loss_mask`` 0 and are
+    counted (a text corpus holding literal ``<|image|>`` strings must not teach the model to emit or follow
+    placeholders without images); packed rows report the documents they skipped (``skipped_documents``, an
+    unreadable image), counted. The totals are printed when they grow (at most once per ``--log-interval``)."""
     from megatron.training import get_args
 
     from megatron_glm5.data import DataError
     from megatron_glm5.data.vqa import placeholder_ids
 
-    iteration = get_args().curr_iteration + 1
+    args = get_args()
+    iteration = args.curr_iteration + 1
+    grew = False
     skipped = batch.pop("skipped_documents", None)
     if skipped is not None and int(skipped.sum()) > 0:
         DATA_COUNTS["documents_skipped"] += int(skipped.sum())
-        print(f"data: iteration {iteration}: {int(skipped.sum())} document(s) with an unreadable image skipped "
-              f"({DATA_COUNTS['documents_skipped']} on this rank so far)", flush=True)
+        grew = True
     vocab = int(config.vocab_size)
     for key in ("tokens", "labels"):
         bad = (batch[key] < 0) | (batch[key] >= vocab)
@@ -125,15 +140,16 @@ def _checked_rows(batch: dict, config) -> dict:
                           f"tokenized for another model (re-run tools/preprocess_data.py with its tokenizer)")
             e.rank_local = True
             _data_error_exit(e)
-    if "cu_seqlens" not in batch:
+    if "cu_seqlens" not in batch and not args.mock_data:
         special = torch.tensor(sorted(placeholder_ids(config)), dtype=batch["tokens"].dtype)
         hit = torch.isin(batch["tokens"], special) | torch.isin(batch["labels"], special)
         n = int((hit & (batch["loss_mask"] != 0)).sum())
         if n:
             batch["loss_mask"] = batch["loss_mask"].masked_fill(hit, 0.0)
             DATA_COUNTS["placeholder_tokens_masked"] += n
-            print(f"data: iteration {iteration}: {n} text token(s) that are image/video placeholder ids kept out of "
-                  f"the loss ({DATA_COUNTS['placeholder_tokens_masked']} on this rank so far)", flush=True)
+            grew = True
+    if grew:
+        _report_data_counts(iteration, args.log_interval)
     return batch
 
 
