@@ -588,3 +588,21 @@ def test_blended_index_cache_truncated_is_rebuilt(data, tmp_path, capsys):
     capsys.readouterr()
     assert _samples(build_train_valid_test_datasets(args, tiny_config(), data.tok)[0]) == clean
     assert "BlendedDataset-train-description.txt: dataset index cache unreadable" in capsys.readouterr().out
+
+
+def test_unwritable_index_cache_folder_is_one_line(data, tmp_path, monkeypatch):
+    """A cache that must be (re)built in a folder that cannot be written (a read-only or full disk)."""
+    import errno
+
+    from megatron_glm5.data import index_cache
+
+    def read_only(*a, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "cache"))
+
+    monkeypatch.setattr(index_cache.tempfile, "mkdtemp", read_only)
+    prefix = _copy_corpus(data, tmp_path)
+    with pytest.raises(DataError, match="cannot write the dataset index cache .Read-only file system.; give a "
+                                        "writable --data-cache-path") as e:
+        build_train_valid_test_datasets(_args(data_path=[prefix], data_cache_path=str(tmp_path / "cache")),
+                                        tiny_config(), data.tok)
+    assert "\n" not in str(e.value)

@@ -142,6 +142,14 @@ def cached_indices(owner, upstream: Callable, cache_dir: str, base: str, names: 
         raise e
     if why != "incomplete":
         _notice(f"{paths['description']}: dataset index cache {why}: rebuilding it")
+    try:
+        return _build(owner, upstream, cache_dir, base, names, source, paths)
+    except OSError as e:  # a read-only or full cache folder
+        raise DataError(f"{cache_dir}: cannot write the dataset index cache ({e.strerror or e}); give a writable "
+                        f"--data-cache-path") from None
+
+
+def _build(owner, upstream, cache_dir, base, names, source, paths) -> Tuple[np.ndarray, ...]:
     os.makedirs(cache_dir, exist_ok=True)
     _stale_temporaries(cache_dir, base)
     tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-{os.getpid()}-", dir=cache_dir)
