@@ -119,7 +119,10 @@ def _read_cache(paths: Dict[str, str], description: str, source: dict, names: Se
         raise
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:  # truncated / damaged files
         return None, f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-    why = check(arrays)
+    try:
+        why = check(arrays)
+    except (IndexError, ValueError, TypeError, OSError) as e:  # arrays of shapes the checks did not foresee
+        why = f"unusable ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     return (None, why) if why else (arrays, None)
 
 
