@@ -510,6 +510,25 @@ def test_make_tiny_data_never_overwrites(tmp_path, capsys):
     assert [p for p in os.listdir(tmp_path) if p != "tiny"] == []
 
 
+def test_make_tiny_data_killed_leaves_no_output_and_the_next_run_completes(tmp_path):
+    out = tmp_path / "tiny"
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "make_tiny_data.py"), "--out", str(out), "--text-docs", "3000",
+           "--vqa-docs", "2"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.startswith(".tiny.tmp-") and os.listdir(tmp_path / p)
+                                             for p in os.listdir(tmp_path)):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not out.exists()
+    done = subprocess.run(cmd[:-4] + ["--text-docs", "3", "--vqa-docs", "2"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "removed 1 temporary folder" in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["tiny"] and check_indexed_dataset(str(out / "text_text_document")) == 3
+
+
 # ------------------------------------------------------------------------------------------- pretrain runs
 def _pretrain(args, data_args):
     return run(TINY + ["--train-iters", "3", "--num-workers", "0"] + data_args + args)
