@@ -52,6 +52,8 @@ _SPECIAL_ID_FIELDS = ("image_token_id", "video_token_id", "image_start_token_id"
                       "video_start_token_id", "video_end_token_id")
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 """Largest image (width x height) read; larger ones are refused before their pixels are decoded."""
+MAX_IMAGE_BYTES = 256 * 1024 * 1024
+"""Largest encoded image file read."""
 _PROCESSOR_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
                    "image_std", "do_convert_rgb", "min_image_tokens", "max_image_tokens", "patch_expand_factor")
 
@@ -79,6 +81,9 @@ class ImageRef:
     def _open(self):
         from PIL import Image
 
+        size = self.size if self.size >= 0 else os.path.getsize(self.path)
+        if size > MAX_IMAGE_BYTES:
+            raise DataError(f"{self.name}: image file of {size} bytes, more than {MAX_IMAGE_BYTES}")
         img = Image.open(io.BytesIO(self.read()))
         w, h = img.size
         if w * h > MAX_IMAGE_PIXELS:
