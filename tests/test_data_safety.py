@@ -269,6 +269,7 @@ BAD_RECORDS = [
     (b'{"question": "q", "answer": "a", "image": "../outside.png"}\n', "lies outside"),
     (b'{"question": "q", "answer": "a", "image": "/etc/hostname"}\n', "lies outside"),
     (b'{"question": "q", "answer": "a", "image": "missing.png"}\n', "not found"),
+    (b'{"question": "q", "answer": "a", "image": "a\\u0000.png"}\n', "NUL character"),
 ]
 
 
@@ -318,7 +319,7 @@ def test_jsonl_fuzz_never_escapes(data, tmp_path):
         if kind == 2:
             return int(rng.integers(-10 ** 6, 10 ** 6))
         if kind in (3, 4):
-            return "".join(chr(int(c)) for c in rng.integers(1, 0xE000, size=int(rng.integers(0, 12))))
+            return "".join(chr(int(c)) for c in rng.integers(0, 0xE000, size=int(rng.integers(0, 12))))
         if kind == 5:
             return [value(depth + 1) for _ in range(int(rng.integers(0, 3)))]
         keys = ["text", "question", "answer", "image", "x"]

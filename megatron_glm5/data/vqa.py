@@ -157,6 +157,8 @@ def read_jsonl(path: str) -> List[VQARecord]:
                 if image is not None:
                     image = text_field(obj, "image", where)
                     full = os.path.join(base, image)
+                    if "\0" in image:
+                        raise DataError(f"{where}: image path {image!r} holds a NUL character")
                     if os.path.isabs(image) or not _inside(os.path.realpath(full), root):
                         raise DataError(f"{where}: image {image!r} lies outside {base} (image paths are relative "
                                         f"to the JSONL's directory and stay inside it)")
