@@ -403,6 +403,19 @@ def test_image_bombs_corrupt_and_symlinked_images_are_one_line(data, tmp_path):
     assert after == before
 
 
+@pytest.mark.parametrize("content, phrase", [
+    ("[1]", "expected a JSON object"), ("[" * 100000, "nested too deeply"), ('{"image_std": [0, 0, 0]}', "non-finite"),
+    ('{"image_mean": "abc"}', "unusable"), ('{"patch_size": 3}', "disagrees with the vision config")])
+def test_bad_preprocessor_config_is_one_line(tmp_path, content, phrase):
+    from megatron_glm5.data.vqa import build_image_processor
+
+    path = tmp_path / "preprocessor_config.json"
+    path.write_text(content)
+    with pytest.raises(DataError, match=phrase) as e:
+        build_image_processor(tiny_config().vision, str(path))
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
+
+
 def _tar(path, members):
     with tarfile.open(path, "w") as tf:
         for name, blob, kind in members:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import glob
 import io
-import json
 import os
 import tarfile
 from dataclasses import dataclass
@@ -268,10 +267,12 @@ def build_image_processor(vision_config, preprocessor_config: Optional[str] = No
     kw = {}
     if preprocessor_config is not None:
         try:
-            with open(preprocessor_config, "r", encoding="utf-8") as f:
-                pre = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+            with open(preprocessor_config, "rb") as f:
+                pre = parse_json(f.read(), preprocessor_config)
+        except OSError as e:
             raise DataError(f"{preprocessor_config}: unreadable ({one_line(e)})") from None
+        if not isinstance(pre, dict):
+            raise DataError(f"{preprocessor_config}: expected a JSON object, got {type(pre).__name__}")
         for k, v in sizes.items():
             if k in pre and pre[k] != v:
                 raise DataError(f"{preprocessor_config}: {k}={pre[k]} disagrees with the vision config ({v})")
@@ -280,7 +281,21 @@ def build_image_processor(vision_config, preprocessor_config: Optional[str] = No
         kw["min_image_tokens"] = int(min_image_tokens)
     if max_image_tokens is not None:
         kw["max_image_tokens"] = int(max_image_tokens)
-    return Glm5NextImageProcessorPil(**sizes, **kw)
+    try:
+        from PIL import Image
+
+        processor = Glm5NextImageProcessorPil(**sizes, **kw)
+        # a setting of the wrong type or range fails here, not when a row is read mid-run
+        image_token_count(processor, 32, 32)
+        with np.errstate(all="ignore"):
+            probe = processor(images=[Image.new("RGB", (32, 32), (128, 64, 32))],
+                              return_tensors="pt")["pixel_values"]
+        if not bool(torch.isfinite(probe).all()):
+            raise ValueError("they make non-finite pixel values")
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for bad settings
+        where = preprocessor_config or "--min-image-tokens / --max-image-tokens"
+        raise DataError(f"{where}: the image processor settings {kw} are unusable ({one_line(e)})") from None
+    return processor
 
 
 def image_token_count(image_processor, height: int, width: int) -> int:
