@@ -53,6 +53,8 @@ MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 """Largest image (width x height) read; larger ones are refused before their pixels are decoded."""
 MAX_IMAGE_BYTES = 256 * 1024 * 1024
 """Largest encoded image file read."""
+MAX_JSON_BYTES = 64 * 1024 * 1024
+"""Largest ``.json`` member of a WebDataset tar read."""
 _PROCESSOR_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
                    "image_std", "do_convert_rgb", "min_image_tokens", "max_image_tokens", "patch_expand_factor")
 
@@ -215,6 +217,9 @@ def read_webdataset(path: str) -> List[VQARecord]:
                     raise DataError(f"{where}: more than one {field} ({s[field + '_name']}, {m.name})")
                 s[field + "_name"] = m.name
                 if field == "json":
+                    if m.size > MAX_JSON_BYTES:
+                        raise DataError(f"{path}: member {m.name} has {m.size} bytes, more than {MAX_JSON_BYTES} "
+                                        f"for a question/answer record")
                     s["json"] = parse_json(tf.extractfile(m).read(), f"{path}:{m.name}")
                 else:
                     s["image"] = ImageRef(path=path, name=f"{path}:{m.name}", offset=m.offset_data, size=m.size)
