@@ -499,7 +499,6 @@ def test_preprocess_refuses_existing_outputs_and_a_killed_run_leaves_nothing_acc
     assert proc.returncode == -signal.SIGKILL
     left = os.listdir(tmp_path)
     assert [p for p in left if ".tmp-" in p] and not [p for p in left if p.startswith("p_text_document")]
-    assert "bin" not in str([p for p in left if p.startswith("p_")])
     with pytest.raises(DataError, match="not found"):
         check_indexed_dataset(out + "_text_document")
     # the next run removes the temporaries (one notice) and writes the same files as a clean run
