@@ -104,6 +104,9 @@ def _mutate(prefix, how):
         raw[34 + 4 * n_seq + 8 * (n_seq - 1):34 + 4 * n_seq + 8 * n_seq] = (2 ** 62).to_bytes(8, "little")
     elif how == "length_flip":
         raw[34] ^= 0x40
+    elif how == "empty":
+        raw = raw[:18] + bytes(8) + (1).to_bytes(8, "little") + bytes(8)
+        open(bin_, "wb").close()
     elif how in ("bin_cut", "bin_extra"):
         b = open(bin_, "rb").read()
         open(bin_, "wb").write(b[:-3] if how == "bin_cut" else b + b"\0\0")
@@ -114,7 +117,7 @@ def _mutate(prefix, how):
     ("idx_cut", "truncated or corrupt"), ("idx_magic", "bad magic"), ("idx_dtype", "another dtype"),
     ("idx_float_dtype", "not an integer token type"), ("idx_count_overflow", "truncated or corrupt"),
     ("pointer_past_end", "outside"), ("length_flip", "another dtype or a corrupt index"),
-    ("bin_cut", "truncated or mismatched"), ("bin_extra", "truncated or mismatched")])
+    ("bin_cut", "truncated or mismatched"), ("bin_extra", "truncated or mismatched"), ("empty", "holds no tokens")])
 def test_corrupt_bin_idx_is_one_line_naming_the_file(data, tmp_path, how, phrase):
     prefix = _copy_corpus(data, tmp_path)
     _mutate(prefix, how)

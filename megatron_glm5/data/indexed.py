@@ -11,7 +11,7 @@ pointers past the end of the ``.bin`` give a traceback at some later read, or ro
 in one line naming the file, anything but what the builder writes: the exact file size for S and D, a known dtype
 code, lengths >= 0, pointers that start at 0 and step by ``length x itemsize`` (so a dtype code other than the
 one the ``.bin`` was written with is caught) and end exactly at the ``.bin``'s size, document indices running
-from 0 to S.
+from 0 to S, at least one token.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def check_indexed_dataset(prefix: str) -> int:
         if n_doc < 1 or expected != idx_size:
             raise DataError(f"{idx}: {idx_size} bytes, but its header announces {n_seq} sequences and "
                             f"{n_doc} document boundaries ({expected} bytes): truncated or corrupt; {rerun}")
+        if n_seq == 0 or bin_size == 0:
+            raise DataError(f"{idx}: the dataset holds no tokens ({n_seq} sequences, {bin_size}-byte {bin_})")
         mm = np.memmap(idx, mode="r", dtype=np.uint8)
         try:
             off = _HEADER_BYTES
@@ -64,15 +66,15 @@ def check_indexed_dataset(prefix: str) -> int:
             docs = np.frombuffer(mm, dtype="<i8", count=n_doc, offset=off + 12 * n_seq)
             itemsize = np.dtype(_DTYPES[code]).itemsize
             why = None
-            if n_seq and lengths.min() < 0:
+            if lengths.min() < 0:
                 why = "a negative sequence length"
-            elif n_seq and (pointers[0] != 0 or pointers.min() < 0 or pointers.max() > bin_size):
+            elif pointers[0] != 0 or pointers.min() < 0 or pointers.max() > bin_size:
                 why = f"sequence pointers outside the {bin_size}-byte {bin_}"
-            elif n_seq and not np.array_equal(np.diff(pointers), lengths[:-1].astype(np.int64) * itemsize):
+            elif not np.array_equal(np.diff(pointers), lengths[:-1].astype(np.int64) * itemsize):
                 why = (f"sequence pointers that do not step by length x {itemsize} bytes (the "
                        f"{np.dtype(_DTYPES[code]).name} of its header): another dtype or a corrupt index")
-            elif (int(pointers[-1]) + int(lengths[-1]) * itemsize if n_seq else 0) != bin_size:
-                end = int(pointers[-1]) + int(lengths[-1]) * itemsize if n_seq else 0
+            elif int(pointers[-1]) + int(lengths[-1]) * itemsize != bin_size:
+                end = int(pointers[-1]) + int(lengths[-1]) * itemsize
                 why = f"sequences that end at byte {end}, but {bin_} has {bin_size} bytes (truncated or mismatched)"
             elif docs[0] != 0 or docs[-1] != n_seq or (np.diff(docs) < 0).any():
                 why = "document boundaries that do not run from 0 to the sequence count"
