@@ -30,6 +30,14 @@ against ``megatron.core.package_info.__version__``; each bug was read in and rep
   between parameters in the buffer with ``torch.empty`` tensors, so two saves of the same state differ in those
   bytes (uninitialised memory, also NaN / 1e38 patterns). The replacement saves zeros there.
 
+* ``GPTDataset._build_document_sample_shuffle_indices`` and ``BlendedDataset._build_indices`` load their cached
+  index ``.npy`` files (next to the data or in ``--data-cache-path``) with ``allow_pickle=True`` as soon as they
+  exist: a crafted cache runs code, a truncated one is a traceback, and a cache of an earlier version of the data is
+  used for the new one; a build killed while writing leaves files the next run loads. The replacements
+  (:mod:`megatron_glm5.data.index_cache`) read them without pickle, check them against what they were built from,
+  rebuild a bad one on rank 0 and publish new ones atomically; the deferred (``defer_npy_index_mmap``) reads,
+  megatron-core's ``safe_numpy_load`` in both modules, load without pickle too.
+
 Entry points call :func:`apply_mcore_fixes` (idempotent); importing this module changes nothing.
 """
 
@@ -38,9 +46,12 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 import torch
+from megatron.core.datasets import blended_dataset, gpt_dataset
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.package_info import __version__ as MCORE_VERSION
 from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_glm5.data import index_cache
 
 # first and last megatron-core release known to have every bug above
 AFFECTED_VERSIONS = ("0.16.1", "0.19.2")
@@ -160,9 +171,20 @@ def _dp_reshardable_zero_padding(self, *args, **kwargs):
     return state
 
 
+def _gpt_dataset_indices(self):
+    """Upstream's GPTDataset index build / cache load, through :func:`megatron_glm5.data.index_cache.gpt_indices`."""
+    return index_cache.gpt_indices(self, UPSTREAM["dataset_cache_gpt"])
+
+
+def _blended_dataset_indices(self):
+    """Upstream's BlendedDataset index build / cache load, through
+    :func:`megatron_glm5.data.index_cache.blended_indices`."""
+    return index_cache.blended_indices(self, UPSTREAM["dataset_cache_blended"])
+
+
 _DistOpt = distrib_optimizer.DistributedOptimizer
-# name -> (class, attribute, replacement)
-FIXES: Dict[str, Tuple[type, str, object]] = {
+# name -> (class or module, attribute, replacement)
+FIXES: Dict[str, Tuple[object, str, object]] = {
     "router_expert_bias_padding": (TopKRouter, "_apply_expert_bias", _apply_expert_bias),
     "distrib_optimizer_fresh_state_dict": (_DistOpt, "state_dict", _distrib_state_dict),
     "distrib_optimizer_load_keeps_step": (_DistOpt, "_set_main_param_and_optimizer_states",
@@ -170,6 +192,10 @@ FIXES: Dict[str, Tuple[type, str, object]] = {
     "distrib_optimizer_bucket_padding": (_DistOpt, "sharded_param_state_fully_reshardable", _fully_reshardable),
     "distrib_optimizer_step_per_param": (_DistOpt, "load_state_dict", _distrib_load_state_dict),
     "distrib_optimizer_zero_padding": (_DistOpt, "sharded_param_state_dp_reshardable", _dp_reshardable_zero_padding),
+    "dataset_cache_gpt": (gpt_dataset.GPTDataset, "_build_document_sample_shuffle_indices", _gpt_dataset_indices),
+    "dataset_cache_blended": (blended_dataset.BlendedDataset, "_build_indices", _blended_dataset_indices),
+    "dataset_cache_gpt_deferred_load": (gpt_dataset, "safe_numpy_load", index_cache.safe_numpy_load),
+    "dataset_cache_blended_deferred_load": (blended_dataset, "safe_numpy_load", index_cache.safe_numpy_load),
 }
 # megatron-core's own functions, as found when this module was imported
 UPSTREAM: Dict[str, object] = {name: getattr(owner, attr) for name, (owner, attr, _) in FIXES.items()}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import types
 
 import numpy as np
@@ -139,8 +140,8 @@ def test_first_fit_matches_reference():
 def test_long_documents_are_skipped_and_text_only_records(vqa, tmp_path, capsys):
     cfg = tiny_config()
     path = tmp_path / "mixed.jsonl"
-    img = os.path.abspath(os.path.join(vqa.dir / "jsonl", vqa.records[0]["image"]))
-    rows = [{"image": img, "question": "what colour is the square?", "answer": "red."},
+    shutil.copy(os.path.join(vqa.dir / "jsonl", vqa.records[0]["image"]), tmp_path / "img.png")
+    rows = [{"image": "img.png", "question": "what colour is the square?", "answer": "red."},
             {"question": "is there a mass?", "answer": "no."},
             {"image": None, "question": "the chest?", "answer": "normal."}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

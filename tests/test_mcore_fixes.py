@@ -296,3 +296,75 @@ def test_dp_reshardable_save_writes_zeros_between_parameters(mcore, monkeypatch)
                         lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     upstream = padding(opt.sharded_state_dict(module.sharded_state_dict(), is_loading=False, metadata=metadata))
     assert upstream and all(bool(t.isnan().all()) for t in upstream)
+
+
+# ------------------------------------------------------------------------------------------- dataset caches
+def _indexed(prefix, n_docs, seed):
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(n_docs):
+        doc = rng.integers(3, 150, size=int(rng.integers(5, 30)))
+        b.add_document(torch.tensor(doc), [len(doc)])
+    b.finalize(prefix + ".idx")
+
+
+def _gpt_train_rows(prefix, cache, tok):
+    import types
+
+    from megatron_glm5.config import tiny_config
+    from megatron_glm5.data.builder import build_train_valid_test_datasets
+
+    args = types.SimpleNamespace(mock_data=False, data_path=[prefix], split="1,0,0", seq_length=16, seed=1,
+                                 train_iters=8, global_batch_size=4, eval_iters=0, eval_interval=0,
+                                 dataset_type="gpt", data_cache_path=cache)
+    ds = build_train_valid_test_datasets(args, tiny_config(), tok)[0]
+    return [ds[i]["tokens"].tolist() for i in range(len(ds))]
+
+
+@needs
+def test_dataset_index_cache_follows_its_source_data(monkeypatch, tmp_path):
+    """The same prefix re-written with other documents: the fix rebuilds the cached GPTDataset indices (the rows
+    equal a fresh build's); megatron-core's own builder loads the old data's cache: other rows, or an IndexError."""
+    from megatron_glm5.data.tiny_data import make_tiny_tokenizer
+    from megatron_glm5.data.tokenizer import build_tokenizer
+
+    mcore_fixes.apply_mcore_fixes()
+    tok = build_tokenizer(make_tiny_tokenizer(str(tmp_path), vocab_size=160))
+    prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
+    _indexed(prefix, 30, seed=0)
+    _gpt_train_rows(prefix, cache, tok)
+    _indexed(prefix, 30, seed=1)  # new data, same prefix, same flags: same cache file names
+    fresh = _gpt_train_rows(prefix, str(tmp_path / "fresh"), tok)
+    assert _gpt_train_rows(prefix, cache, tok) == fresh
+    _indexed(prefix, 30, seed=2)
+    fresh = _gpt_train_rows(prefix, str(tmp_path / "fresh2"), tok)
+    _upstream(monkeypatch, "dataset_cache_gpt")
+    try:
+        stale = _gpt_train_rows(prefix, cache, tok)
+    except IndexError:  # the old sample index cuts rows out of the new documents' lengths
+        stale = None
+    assert stale != fresh
+
+
+@needs
+def test_dataset_index_cache_is_read_without_pickle(monkeypatch, tmp_path):
+    """A cache array that is a pickle (here of plain ints): the fix refuses it in one line and never unpickles;
+    megatron-core's own loader unpickles it."""
+    import numpy as np
+    from megatron.core.datasets import gpt_dataset
+
+    from megatron_glm5.data import DataError
+    from megatron_glm5.data.index_cache import load_index_array
+
+    mcore_fixes.apply_mcore_fixes()
+    path = str(tmp_path / "x-GPTDataset-train-shuffle_index.npy")
+    np.save(path, np.array([1, [2]], dtype=object), allow_pickle=True)
+    with pytest.raises(DataError, match="holds pickled Python objects"):
+        load_index_array(path)
+    with pytest.raises(ValueError, match="allow_pickle"):
+        gpt_dataset.safe_numpy_load(path, allow_pickle=True)  # the deferred read, fixed
+    _upstream(monkeypatch, "dataset_cache_gpt_deferred_load")
+    assert gpt_dataset.safe_numpy_load(path, allow_pickle=True)[1] == [2]

@@ -7,6 +7,10 @@ DIR/text.jsonl          N {"text": ...} documents, and DIR/text_text_document.bi
 DIR/vqa/vqa.jsonl       N {"image", "question", "answer"} records with PNGs under DIR/vqa/images/
 DIR/vqa.tar             the same samples as a WebDataset tar (NNNN.png + NNNN.json)
 
+DIR is written whole or not at all: everything goes into a temporary folder beside it, renamed to DIR when complete
+(megatron_glm5.checkpoint.atomic). An existing DIR is refused unless it is an empty folder or --overwrite is given
+(then it is replaced only once the new one is complete); errors are one ``make_tiny_data: error: ...`` line.
+
 Then e.g. ``--tokenizer-model DIR --data-path DIR/text_text_document`` (text) or
 ``--dataset-type vqa --data-path DIR/vqa/vqa.jsonl`` (packed image+text). Keep --vocab-size below the model's first
 image/video special id (250 in the tiny preset).
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-
 
 from megatron_glm5.cli import OneLineArgumentParser
 
@@ -30,28 +33,41 @@ def main(argv=None) -> int:
     p.add_argument("--vqa-docs", type=int, default=32, help="VQA records (default 32)")
     p.add_argument("--vocab-size", type=int, default=200, help="tokenizer vocabulary (default 200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (once the new one is complete)")
     args = p.parse_args(argv)
     if args.text_docs < 1 or args.vqa_docs < 1:
         p.error("--text-docs and --vqa-docs must be >= 1")
+    if args.vocab_size < 1:
+        p.error(f"--vocab-size must be positive, got {args.vocab_size}")
+    from megatron_glm5.cli.common import quiet_library_warnings, run_cli
 
+    quiet_library_warnings()
+    return run_cli(PROG, lambda: _write(p, args))
+
+
+def _write(p, args) -> int:
+    from megatron_glm5.checkpoint.atomic import atomic_output_dir
     from megatron_glm5.cli import preprocess_data
     from megatron_glm5.data.tiny_data import make_text_jsonl, make_tiny_tokenizer, make_vqa_jsonl, make_vqa_webdataset
 
-    os.makedirs(args.out, exist_ok=True)
-    try:
-        tok = make_tiny_tokenizer(args.out, vocab_size=args.vocab_size, seed=args.seed)
-    except ValueError as e:
-        p.error(f"--vocab-size: {e}")
-    text = make_text_jsonl(os.path.join(args.out, "text.jsonl"), args.text_docs, seed=args.seed)
-    rc = preprocess_data.main(["--input", text, "--tokenizer-model", tok, "--output-prefix",
-                               os.path.join(args.out, "text"), "--append-eod", "--log-interval", "0"])
-    if rc:
-        return rc
-    make_vqa_jsonl(os.path.join(args.out, "vqa"), args.vqa_docs, seed=args.seed)
-    make_vqa_webdataset(os.path.join(args.out, "vqa.tar"), args.vqa_docs, seed=args.seed)
-    print(f"{PROG}: wrote {tok}, {args.text_docs} text documents ({os.path.join(args.out, 'text_text_document')}) "
-          f"and {args.vqa_docs} VQA records ({os.path.join(args.out, 'vqa', 'vqa.jsonl')}, "
-          f"{os.path.join(args.out, 'vqa.tar')})")
+    empty_dir = os.path.isdir(args.out) and not os.path.islink(args.out) and not os.listdir(args.out)
+    with atomic_output_dir(args.out, overwrite=args.overwrite or empty_dir,
+                           log=lambda m: print(f"{PROG}: {m}", file=sys.stderr)) as tmp:
+        try:
+            tok = make_tiny_tokenizer(tmp, vocab_size=args.vocab_size, seed=args.seed)
+        except ValueError as e:
+            p.error(f"--vocab-size: {e}")
+        text = make_text_jsonl(os.path.join(tmp, "text.jsonl"), args.text_docs, seed=args.seed)
+        rc = preprocess_data.main(["--input", text, "--tokenizer-model", tok, "--output-prefix",
+                                   os.path.join(tmp, "text"), "--append-eod", "--log-interval", "0"])
+        if rc:
+            raise SystemExit(rc)
+        make_vqa_jsonl(os.path.join(tmp, "vqa"), args.vqa_docs, seed=args.seed)
+        make_vqa_webdataset(os.path.join(tmp, "vqa.tar"), args.vqa_docs, seed=args.seed)
+    out = args.out
+    print(f"{PROG}: wrote {os.path.join(out, 'tokenizer.json')}, {args.text_docs} text documents "
+          f"({os.path.join(out, 'text_text_document')}) and {args.vqa_docs} VQA records "
+          f"({os.path.join(out, 'vqa', 'vqa.jsonl')}, {os.path.join(out, 'vqa.tar')})")
     return 0
 
 

@@ -2,6 +2,9 @@
 
 ``builder.build_train_valid_test_datasets`` is the entry point the training loop calls; ``sampler.build_data_loader``
 turns a dataset into a resumable DataLoader. ``synthetic.py`` makes random packed rows for tests and the quickstart.
+Untrusted input is checked where it is read: ``indexed.py`` (``.bin`` / ``.idx`` pairs), ``index_cache.py``
+(megatron-core's index caches, installed by ``megatron_glm5.mcore_fixes``), ``jsonl.py`` (JSONL records) and
+``vqa.py`` (images, tars); each bad input is a :class:`DataError` naming the file.
 """
 
 

@@ -14,7 +14,9 @@ Three sources, chosen by ``args``:
 Sample counts follow Megatron-LM: train ``train_iters * global_batch_size`` (or ``train_samples``), valid
 ``(train_iters // eval_interval + 1) * eval_iters * global_batch_size``, test ``eval_iters * global_batch_size``.
 A split that gets no documents (e.g. the ``1`` of ``949,50,1`` on a small corpus) or no samples is ``None``.
-Bad input raises :class:`~megatron_glm5.data.DataError` (one line naming the flag) before anything is built.
+Bad input raises :class:`~megatron_glm5.data.DataError` (one line naming the flag or file) before anything is built:
+every ``.bin`` / ``.idx`` pair is checked first (:func:`megatron_glm5.data.indexed.check_indexed_dataset`); the
+index caches are megatron-core's, read without pickle and checked (:mod:`megatron_glm5.data.index_cache`).
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ def _build_gpt(args, model_config, tokenizer, sizes, mock: bool):
         raise DataError(f"megatron-core's compiled dataset helpers are missing ({e}); see docs/data.md") from None
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
+
+    from megatron_glm5.data.indexed import check_indexed_dataset
 
     if mock:
         config = _gpt_config(args, tokenizer or _MockTokenizer(model_config.vocab_size), None)
@@ -123,14 +126,11 @@ def _build_gpt(args, model_config, tokenizer, sizes, mock: bool):
             raise DataError(f"--data-path: expected PREFIX ... or WEIGHT PREFIX ..., got {args.data_path}") from None
         if weights is not None and any(not (w > 0) for w in weights):
             raise DataError(f"--data-path: weights must be positive, got {weights}")
-        for p in prefixes:
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(p + ext):
-                    raise DataError(f"--data-path: {p}{ext} not found (write it with tools/preprocess_data.py)")
+        counts = {p: check_indexed_dataset(p) for p in prefixes}  # one line for a missing / corrupt .bin/.idx
         matrix = _split_matrix(args.split)
         config = _gpt_config(args, tokenizer, (prefixes, weights))
         for p in prefixes:  # splits without documents (or without samples to draw) are not built
-            n = len(IndexedDataset(p, mmap=True))
+            n = counts[p]
             for i, bookend in enumerate(matrix):
                 if bookend is not None:
                     beg, end = _split_range(bookend, n)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import glob
 import io
-import json
 import os
 import tarfile
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import torch
 
 from megatron_glm5.cli import one_line
 from megatron_glm5.data import DataError
+from megatron_glm5.data.jsonl import parse_json, text_field
 from megatron_glm5.data.pack import assemble_row, first_fit
 
 USER_PREFIX = "<|user|>\n"
@@ -49,8 +49,19 @@ ASSISTANT_PREFIX = "<|assistant|>\n"
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 _SPECIAL_ID_FIELDS = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
                       "video_start_token_id", "video_end_token_id")
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+"""Largest image (width x height) read; larger ones are refused before their pixels are decoded."""
+MAX_IMAGE_BYTES = 256 * 1024 * 1024
+"""Largest encoded image file read."""
+MAX_JSON_BYTES = 64 * 1024 * 1024
+"""Largest ``.json`` member of a WebDataset tar read."""
 _PROCESSOR_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
                    "image_std", "do_convert_rgb", "min_image_tokens", "max_image_tokens", "patch_expand_factor")
+
+
+def placeholder_ids(model_config) -> set:
+    """The model's image / video placeholder and span ids (``image_token_id``, ``image_start_token_id``, ...)."""
+    return {int(getattr(model_config, f)) for f in _SPECIAL_ID_FIELDS if getattr(model_config, f, None) is not None}
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -68,23 +79,43 @@ class ImageRef:
             f.seek(self.offset)
             return f.read(self.size)
 
-    def image_size(self):
-        """(width, height) from the image header, without decoding the pixels."""
+    def _open(self):
         from PIL import Image
 
+        size = self.size if self.size >= 0 else os.path.getsize(self.path)
+        if size > MAX_IMAGE_BYTES:
+            raise DataError(f"{self.name}: image file of {size} bytes, more than {MAX_IMAGE_BYTES}")
+        img = Image.open(io.BytesIO(self.read()))
+        w, h = img.size
+        if w * h > MAX_IMAGE_PIXELS:
+            raise DataError(f"{self.name}: image of {w} x {h} pixels, more than {MAX_IMAGE_PIXELS} (a decompression "
+                            f"bomb or an image far larger than the model's budget)")
+        return img
+
+    def image_size(self):
+        """(width, height) from the image header, without decoding the pixels."""
         try:
-            with Image.open(io.BytesIO(self.read())) as img:
+            with self._open() as img:
                 return img.size
+        except DataError:
+            raise
         except Exception as e:  # PIL raises several types for unreadable data
             raise DataError(f"{self.name}: unreadable image ({one_line(e)})") from None
 
     def load(self):
-        """The decoded PIL image (mode as stored; the image processor converts to RGB)."""
-        from PIL import Image
-
+        """The decoded PIL image, 8 bits per channel: 16-bit (and 32-bit integer) grey images are scaled to 0..255,
+        not clipped; other modes as stored (the image processor converts to RGB)."""
         try:
-            img = Image.open(io.BytesIO(self.read()))
+            img = self._open()
             img.load()
+            if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+                from PIL import Image
+
+                a = np.asarray(img, dtype=np.float64)
+                top = 65535.0 if img.mode.startswith("I;16") or a.max(initial=0) > 255 else 255.0
+                img = Image.fromarray(np.clip(np.rint(a * (255.0 / top)), 0, 255).astype(np.uint8), mode="L")
+        except DataError:
+            raise
         except Exception as e:  # PIL raises several types for unreadable data
             raise DataError(f"{self.name}: unreadable image ({one_line(e)})") from None
         return img
@@ -101,19 +132,18 @@ class VQARecord:
 
 
 def _record(obj, where: str) -> tuple:
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    for key in ("question", "answer"):
-        if key not in obj:
-            raise DataError(f"{where}: missing key {key!r}")
-        if not isinstance(obj[key], str):
-            raise DataError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
-    return obj["question"], obj["answer"]
+    return text_field(obj, "question", where), text_field(obj, "answer", where)
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
 
 
 def read_jsonl(path: str) -> List[VQARecord]:
-    """Records of a VQA JSONL file (image paths relative to the file's directory)."""
+    """Records of a VQA JSONL file. Image paths are relative to the file's directory and must stay inside it
+    (symlinks resolved): an absolute path or one leaving the directory is refused."""
     base = os.path.dirname(os.path.abspath(path))
+    root = os.path.realpath(base)
     out = []
     try:
         with open(path, "r", encoding="utf-8") as f:
@@ -121,55 +151,80 @@ def read_jsonl(path: str) -> List[VQARecord]:
                 where = f"{path}:{lineno}"
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
+                obj = parse_json(line, where)
                 q, a = _record(obj, where)
                 image = obj.get("image")
                 ref = None
                 if image is not None:
-                    if not isinstance(image, str):
-                        raise DataError(f"{where}: 'image' must be a path string, got {type(image).__name__}")
-                    full = image if os.path.isabs(image) else os.path.join(base, image)
+                    image = text_field(obj, "image", where)
+                    full = os.path.join(base, image)
+                    if "\0" in image:
+                        raise DataError(f"{where}: image path {image!r} holds a NUL character")
+                    if os.path.isabs(image) or not _inside(os.path.realpath(full), root):
+                        raise DataError(f"{where}: image {image!r} lies outside {base} (image paths are relative "
+                                        f"to the JSONL's directory and stay inside it)")
                     if not os.path.isfile(full):
                         raise DataError(f"{where}: image {full} not found")
                     ref = ImageRef(path=full, name=full)
                 out.append(VQARecord(q, a, ref, where))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"{path}: unreadable ({one_line(e)})") from None
     return out
 
 
 def _split_key(member_name: str):
+    """WebDataset's (key, extension): the key is the member path up to the first dot of its file name, the
+    extension the rest (``a/b.image.png`` -> ``a/b``, ``image.png``)."""
     d, base = os.path.split(member_name)
     stem, dot, ext = base.partition(".")
     return (os.path.join(d, stem) if d else stem), ext.lower()
 
 
+def _field(ext: str) -> Optional[str]:
+    """'json', 'image' or None (a field this reader ignores) for a member's extension; the last dot-part decides
+    (``image.png`` is an image)."""
+    last = ext.rsplit(".", 1)[-1]
+    return "json" if last == "json" else "image" if last in IMAGE_EXTENSIONS else None
+
+
 def read_webdataset(path: str) -> List[VQARecord]:
-    """Records of a WebDataset tar: per key one ``json`` (question/answer) and at most one image."""
+    """Records of a WebDataset tar: per key one ``json`` (question/answer) and at most one image. A member that
+    is not a regular file (a link, a device), a truncated or unreadable tar, a second image or json of a key is
+    refused in one line."""
     try:
+        size = os.path.getsize(path)
         tf = tarfile.open(path, "r:")
-    except (tarfile.TarError, OSError) as e:
+    except (tarfile.TarError, OSError, EOFError) as e:
         raise DataError(f"{path}: not a readable tar file ({one_line(e)})") from None
     samples: Dict[str, dict] = {}
-    with tf:
-        for m in tf:
-            if not m.isfile():
-                continue
-            key, ext = _split_key(m.name)
-            s = samples.setdefault(key, {})
-            where = f"{path}:{key}"
-            if ext == "json":
-                try:
-                    s["json"] = json.loads(tf.extractfile(m).read().decode("utf-8"))
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise DataError(f"{where}: bad JSON in {m.name} ({one_line(e)})") from None
-            elif ext in IMAGE_EXTENSIONS:
-                if "image" in s:
-                    raise DataError(f"{where}: more than one image ({s['image'].name}, {m.name})")
-                s["image"] = ImageRef(path=path, name=f"{path}:{m.name}", offset=m.offset_data, size=m.size)
+    try:
+        with tf:
+            for m in tf:
+                key, ext = _split_key(m.name)
+                field = _field(ext)
+                where = f"{path}:{key}"
+                if field is None or m.isdir():
+                    continue
+                if not m.isreg() or m.issparse():
+                    raise DataError(f"{path}: member {m.name} is not a regular file (a link or special file); "
+                                    f"samples must hold their own data")
+                if m.offset_data + m.size > size:
+                    raise DataError(f"{path}: member {m.name} runs past the end of the file (truncated tar)")
+                s = samples.setdefault(key, {})
+                if field in s:
+                    raise DataError(f"{where}: more than one {field} ({s[field + '_name']}, {m.name})")
+                s[field + "_name"] = m.name
+                if field == "json":
+                    if m.size > MAX_JSON_BYTES:
+                        raise DataError(f"{path}: member {m.name} has {m.size} bytes, more than {MAX_JSON_BYTES} "
+                                        f"for a question/answer record")
+                    s["json"] = parse_json(tf.extractfile(m).read(), f"{path}:{m.name}")
+                else:
+                    s["image"] = ImageRef(path=path, name=f"{path}:{m.name}", offset=m.offset_data, size=m.size)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise DataError(f"{path}: unreadable tar ({one_line(e)})") from None
     out = []
     for key, s in samples.items():
         where = f"{path}:{key}"
@@ -217,10 +272,12 @@ def build_image_processor(vision_config, preprocessor_config: Optional[str] = No
     kw = {}
     if preprocessor_config is not None:
         try:
-            with open(preprocessor_config, "r", encoding="utf-8") as f:
-                pre = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+            with open(preprocessor_config, "rb") as f:
+                pre = parse_json(f.read(), preprocessor_config)
+        except OSError as e:
             raise DataError(f"{preprocessor_config}: unreadable ({one_line(e)})") from None
+        if not isinstance(pre, dict):
+            raise DataError(f"{preprocessor_config}: expected a JSON object, got {type(pre).__name__}")
         for k, v in sizes.items():
             if k in pre and pre[k] != v:
                 raise DataError(f"{preprocessor_config}: {k}={pre[k]} disagrees with the vision config ({v})")
@@ -229,7 +286,21 @@ def build_image_processor(vision_config, preprocessor_config: Optional[str] = No
         kw["min_image_tokens"] = int(min_image_tokens)
     if max_image_tokens is not None:
         kw["max_image_tokens"] = int(max_image_tokens)
-    return Glm5NextImageProcessorPil(**sizes, **kw)
+    try:
+        from PIL import Image
+
+        processor = Glm5NextImageProcessorPil(**sizes, **kw)
+        # a setting of the wrong type or range fails here, not when a row is read mid-run
+        image_token_count(processor, 32, 32)
+        with np.errstate(all="ignore"):
+            probe = processor(images=[Image.new("RGB", (32, 32), (128, 64, 32))],
+                              return_tensors="pt")["pixel_values"]
+        if not bool(torch.isfinite(probe).all()):
+            raise ValueError("they make non-finite pixel values")
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for bad settings
+        where = preprocessor_config or "--min-image-tokens / --max-image-tokens"
+        raise DataError(f"{where}: the image processor settings {kw} are unusable ({one_line(e)})") from None
+    return processor
 
 
 def image_token_count(image_processor, height: int, width: int) -> int:
@@ -297,7 +368,9 @@ class PackedVQADataset(torch.utils.data.Dataset):
 
     ``ds[i]``: ``tokens`` / ``labels`` [s] int64, ``loss_mask`` [s] float32, ``cu_seqlens`` [n_docs + 1] int32
     (the padding tail counted as one document), plus ``pixel_values`` [patches, C*T*P*P] float32 and
-    ``image_grid_thw`` [k, 3] int64 when the row has images (images in row order).
+    ``image_grid_thw`` [k, 3] int64 when the row has images (images in row order), and ``skipped_documents`` [1]
+    int64: documents of the row whose image could not be decoded (found only when the row is read: the header was
+    readable when the documents were built), replaced by padding (loss 0) with a notice line naming the image.
     Attributes: ``packing_efficiency``, ``num_skipped`` (documents longer than ``seq_length``), ``num_epochs``,
     ``rows`` (document indices per row).
     """
@@ -339,11 +412,21 @@ class PackedVQADataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         docs = self.documents
         row = self.rows[idx]
-        out = assemble_row([docs.tokens[d] for d in row], [docs.targets[d] for d in row], self.seq_length,
-                           self.pad_id)
-        with_image = [d for d in row if docs.images[d] is not None]
+        images, skipped = {}, set()
+        for d in row:
+            if docs.images[d] is not None:
+                try:
+                    images[d] = docs.images[d].load()
+                except DataError as e:  # a damaged image found mid-run: the document becomes padding, counted
+                    print(f"notice: {one_line(e)}: document skipped", flush=True)
+                    skipped.add(d)
+        tokens = [np.full(len(docs.tokens[d]), self.pad_id, np.int64) if d in skipped else docs.tokens[d]
+                  for d in row]
+        targets = [np.zeros(len(docs.tokens[d]), bool) if d in skipped else docs.targets[d] for d in row]
+        out = assemble_row(tokens, targets, self.seq_length, self.pad_id)
+        with_image = [d for d in row if d in images]
         if with_image:
-            feats = docs.image_processor(images=[docs.images[d].load() for d in with_image], return_tensors="pt")
+            feats = docs.image_processor(images=[images[d] for d in with_image], return_tensors="pt")
             grid = feats["image_grid_thw"].to(torch.int64)
             merge = docs.image_processor.merge_size ** 2
             for d, g in zip(with_image, grid):
@@ -352,4 +435,5 @@ class PackedVQADataset(torch.utils.data.Dataset):
                                     f"image tokens, the plan {docs.image_tokens[d]}")
             out["pixel_values"] = feats["pixel_values"].to(torch.float32)
             out["image_grid_thw"] = grid
+        out["skipped_documents"] = torch.tensor([len(skipped)], dtype=torch.int64)
         return out
