@@ -15,7 +15,7 @@ from megatron_glm5.models.cuda_graphs import (
     moe_graph_blockers,
 )
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu  # conftest skips it without a CUDA device; the GPU lane runs it
 
 
 def _config(**over):

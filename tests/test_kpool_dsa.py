@@ -262,7 +262,7 @@ def topk_first_on_ties(scores, k):
     return tie_ordered_keys(scores).topk(k, dim=-1).indices
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_topk_first_on_ties_matches_stable_sort(device):
     """The indexer's pool top-k gives equal scores to the lower index, as a stable descending sort does, on fresh
     random rows full of exact ties (0.0 next to -0.0, rounded values, the finfo.min of masked candidates); and a
