@@ -94,6 +94,11 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     try:
         with save_guard.save_lock(args):  # rank 0 holds --save for the run
             pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+        from megatron_glm5.models.cuda_graphs import describe_graphed_modules
+
+        graphs = describe_graphed_modules(flops._MODEL_CHUNKS)  # how the MoE CUDA graphs ran, when there are any
+        if graphs:
+            print_rank_0(graphs)
     except save_guard.SaveGuardError as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
