@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """One training step (bf16 forward + backward + AdamW) of transformers' Glm5Next and of our model, in one process.
 
-    python scripts/bench_train_step.py [--seqs 2048,4096,8192,16384,32768] [--models hf,ours] [--profile-seq 4096]
-        [--layers 4] [--experts 16] [--topk 8] [--recompute-from 16384] [--out FILE.json] [--tiny]
+    python scripts/bench_train_step.py [--seqs 2048,4096,8192,16384,32768] [--models hf,ours,trainer]
+        [--profile-seq 4096] [--layers 4] [--experts 16] [--topk 8] [--recompute-from 16384] [--out FILE.json]
+        [--tiny] [--trainer] [--trainer-iters 30] [--trainer-args "..."]
 
 Both models are built from the same HF config dict: the released widths (``glm5_flash_hf_config``), ``--layers``
 decoder layers (``linear_attention`` x (L-1) then ``indexed_attention``), every MLP an MoE with ``--experts`` experts
@@ -20,6 +21,15 @@ fatal. ``--sync-sites`` also lists the call sites that make the host wait for th
 ``--profile-seq`` (each one empties the launch queue; the step had none on 2026-12-03). ``--trace`` traces that step
 with Python stacks and reports the GPU's idle time charged to the frames that launched the kernel after each gap.
 Every length also prints the last timed step's phases (forward, backward, optimizer), host time against GPU time.
+
+``--trainer`` (or ``trainer`` in ``--models``) also runs the step as users run it: ``pretrain_glm5_vlm.py`` on the
+same config (written to a JSON file, ``--hf-config``), Megatron-LM's trainer with ``--bf16
+--use-distributed-optimizer --torch-fused-adam``, mock data, one row of ``s`` tokens a step, ``--trainer-iters``
+iterations logged every ``--trainer-log-interval``, in its own process after the in-process models. Its ms/step is
+the mean of Megatron-LM's "elapsed time per iteration" over the logged intervals after the first (which holds the
+warm-up); MFU is given both as 6N (``N`` counted as above on a meta-device build) and from the trainer's own
+"throughput per GPU" (this project's FLOP count, attention terms included), each against the measured matmul rate.
+The trainer's log is written next to ``--out`` (``_trainer_<s>.log``).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -358,6 +369,88 @@ def sync_sites(step, top: int = 25) -> str:
     return f"{sum(sites.values())} synchronizing operations in one step\n" + "\n".join(lines)
 
 
+TRAINER_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
+                          r"(?:.*?throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+))?.*?lm loss: ([0-9.E+-]+|nan|inf)")
+TRAINER_MEMORY = re.compile(r"memory \(MB\) \| allocated: [0-9.]+ \| max allocated: ([0-9.]+)")
+
+
+def parse_trainer_log(text: str) -> dict:
+    """Megatron-LM's per-interval log lines of a training run -> ``{"intervals": [(iteration, ms/step, TFLOP/s or
+    None, lm loss)], "seconds", "tflops", "loss", "first_loss", "peak_gib"}``; ``seconds`` / ``tflops`` average the
+    intervals after the first (all of them when there is only one). Raises ``ValueError`` when no line is found."""
+    rows = [(int(m.group(1)), float(m.group(2)), float(m.group(3)) if m.group(3) else None, float(m.group(4)))
+            for m in TRAINER_LINE.finditer(text)]
+    if not rows:
+        raise ValueError("no 'elapsed time per iteration' line in the trainer's output")
+    timed = rows[1:] or rows
+    tflops = [r[2] for r in timed if r[2] is not None]
+    peaks = [float(x) for x in TRAINER_MEMORY.findall(text)]
+    return {"intervals": rows, "seconds": sum(r[1] for r in timed) / len(timed) / 1e3,
+            "tflops": (sum(tflops) / len(tflops)) if tflops else None, "loss": rows[-1][3], "first_loss": rows[0][3],
+            "peak_gib": max(peaks) / 1024 if peaks else float("nan")}
+
+
+def trainer_command(cfg_path: str, s: int, iters: int, log_interval: int, recompute: bool, extra: list) -> list:
+    """The ``pretrain_glm5_vlm.py`` command line of one ``--trainer`` run (see the module docstring)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrain_glm5_vlm.py")
+    cmd = [sys.executable, script, "--hf-config", cfg_path, "--mock-data", "--seq-length", str(s),
+           "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(iters), "--lr", "1e-6",
+           "--min-lr", "1e-6", "--log-interval", str(log_interval), "--eval-iters", "0", "--log-throughput",
+           "--use-distributed-optimizer"]
+    import torch
+
+    if torch.cuda.is_available():
+        cmd += ["--bf16", "--torch-fused-adam"]
+    if recompute:
+        cmd += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return cmd + list(extra)
+
+
+def run_trainer(cfg: dict, s: int, iters: int, log_interval: int, recompute: bool, extra: list,
+                log_path: str = None) -> dict:
+    """One ``--trainer`` run of ``s`` tokens a step: :func:`parse_trainer_log` of its output plus ``returncode``;
+    ``error`` (the last stderr line) when it failed, ``oom`` when that was an out-of-memory error."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path = os.path.join(tmp, "config.json")
+        with open(cfg_path, "w") as fh:
+            json.dump(cfg, fh)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # this process's world
+            env.pop(var, None)
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        proc = subprocess.run(trainer_command(cfg_path, s, iters, log_interval, recompute, extra), cwd=tmp, env=env,
+                              capture_output=True, text=True)
+    if log_path:
+        with open(log_path, "w") as fh:
+            fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    rec = {"returncode": proc.returncode}
+    try:
+        rec.update(parse_trainer_log(proc.stdout))
+    except ValueError as e:
+        rec["error"] = str(e)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        rec["error"] = f"exit {proc.returncode}: {lines[-1][-300:] if lines else 'no stderr'}"
+        if "OutOfMemoryError" in proc.stderr:
+            rec["oom"] = True
+    return rec
+
+
+def meta_active_params(cfg: dict, experts: int, topk: int) -> float:
+    """:func:`active_params` of our model of ``cfg``, built on the meta device (no memory, no initialisation)."""
+    import torch
+
+    from megatron_glm5.models.builder import default_backends
+
+    with torch.device("meta"):
+        model = build_ours(cfg, "meta", torch.bfloat16, default_backends("cpu"))
+    return active_params(model, experts, topk)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", default="2048,4096,8192,16384,32768")
@@ -383,7 +476,20 @@ def main(argv=None) -> int:
                                                          "default_backends('cuda'))")
     p.add_argument("--out", default="", help="write the results as JSON here (profile table next to it)")
     p.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (smoke run)")
+    p.add_argument("--trainer", action="store_true", help="also time pretrain_glm5_vlm.py (Megatron-LM's trainer) on "
+                   "the same config, in its own process (same as 'trainer' in --models)")
+    p.add_argument("--trainer-iters", type=int, default=30)
+    p.add_argument("--trainer-log-interval", type=int, default=10)
+    p.add_argument("--trainer-args", default="", help="extra pretrain_glm5_vlm.py flags, e.g. '--no-moe-cuda-graph'")
     a = p.parse_args(argv)
+    kinds = [k for k in a.models.split(",") if k]
+    if a.trainer and "trainer" not in kinds:
+        kinds.append("trainer")
+    bad = [k for k in kinds if k not in ("hf", "ours", "trainer")]
+    if bad:
+        p.error(f"--models: unknown model {bad[0]!r} (hf, ours, trainer)")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
 
     import torch
 
@@ -410,7 +516,32 @@ def main(argv=None) -> int:
     profile_table = None
     n_active = None
     nonfinite = []  # runs whose last step's loss was NaN / inf: their timings measured a broken step
-    for kind in a.models.split(","):
+    for kind in sorted(kinds, key=lambda k: k == "trainer"):  # the trainer's process last: the GPU is free then
+        if kind == "trainer":
+            n_trainer = n_active if n_active is not None else meta_active_params(cfg, experts, topk)
+            for s in seqs:
+                recompute = s >= a.recompute_from
+                log_path = (os.path.splitext(a.out)[0] + f"_trainer_{s}.log") if a.out else None
+                rec = {"recompute": recompute}
+                rec.update(run_trainer(cfg, s, a.trainer_iters, a.trainer_log_interval, recompute,
+                                       a.trainer_args.split(), log_path))
+                if "seconds" in rec and "error" not in rec:
+                    t = rec["seconds"]
+                    rec.update(tokens_per_s=s / t, mfu=6.0 * n_trainer * s / t / rate,
+                               mfu_flops=(rec["tflops"] * 1e12 / rate) if rec["tflops"] else None)
+                    if not math.isfinite(rec["loss"]):
+                        nonfinite.append(f"trainer s={s}")
+                    flops_mfu = "-" if rec["mfu_flops"] is None else f"{rec['mfu_flops'] * 100:5.1f} %"
+                    print(f"[trainer] s={s:6d}{' (recompute)' if recompute else ''}: {t * 1e3:9.1f} ms/step  "
+                          f"{s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  MFU (trainer FLOPs) {flops_mfu}  "
+                          f"peak {rec['peak_gib']:6.1f} GiB  loss {rec['loss']:.3f} (first interval "
+                          f"{rec['first_loss']:.3f})", flush=True)
+                else:
+                    print(f"[trainer] s={s:6d}: {'OOM' if rec.get('oom') else 'ERROR'} {rec.get('error', '')}",
+                          flush=True)
+                    rec.setdefault("error", "failed")
+                results["runs"][f"trainer_{s}"] = rec
+            continue
         model = build_hf(cfg, dev, dtype) if kind == "hf" else build_ours(cfg, dev, dtype, backends)
         n_kind = active_params(model, experts, topk)
         if kind == "ours":
@@ -464,8 +595,10 @@ def main(argv=None) -> int:
 
     results["active_params"] = n_active
     print("\n| tokens | transformers tok/s | ours tok/s | ours / transformers | ours 6N-MFU | transformers 6N-MFU "
-          "| ours peak GiB | transformers peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| ours peak GiB | transformers peak GiB |" + (" trainer tok/s | trainer / ours | trainer / transformers | "
+                                                        "trainer 6N-MFU | trainer MFU (its FLOPs) | trainer peak GiB |"
+                                                        if "trainer" in kinds else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|" if "trainer" in kinds else ""))
 
     def fmt(r, key, f):
         if r is None:
@@ -476,18 +609,25 @@ def main(argv=None) -> int:
             return "error"
         return f.format(r[key])
 
+    def ratio(x, y):
+        ok = x and y and "tokens_per_s" in x and "tokens_per_s" in y and "error" not in x and "error" not in y
+        return f"{x['tokens_per_s'] / y['tokens_per_s']:.2f}" if ok else "-"
+
     for s in seqs:
-        h, o = results["runs"].get(f"hf_{s}"), results["runs"].get(f"ours_{s}")
-        ratio = (o["tokens_per_s"] / h["tokens_per_s"]) if (h and o and "seconds" in h and "seconds" in o) else None
+        h, o, tr = (results["runs"].get(f"{k}_{s}") for k in ("hf", "ours", "trainer"))
         tag = " (recompute)" if s >= a.recompute_from else ""
         label = f"{s // 1024}K" if s % 1024 == 0 else str(s)
-        print(f"| {label}{tag} | {fmt(h, 'tokens_per_s', '{:,.0f}')} | {fmt(o, 'tokens_per_s', '{:,.0f}')} | "
-              f"{'-' if ratio is None else f'{ratio:.2f}'} | {fmt(o, 'mfu', '{:.1%}')} | {fmt(h, 'mfu', '{:.1%}')} | "
-              f"{fmt(o, 'peak_gib', '{:.1f}')} | {fmt(h, 'peak_gib', '{:.1f}')} |")
+        row = (f"| {label}{tag} | {fmt(h, 'tokens_per_s', '{:,.0f}')} | {fmt(o, 'tokens_per_s', '{:,.0f}')} | "
+               f"{ratio(o, h)} | {fmt(o, 'mfu', '{:.1%}')} | {fmt(h, 'mfu', '{:.1%}')} | "
+               f"{fmt(o, 'peak_gib', '{:.1f}')} | {fmt(h, 'peak_gib', '{:.1f}')} |")
+        if "trainer" in kinds:
+            flops_mfu = "-" if not tr or tr.get("mfu_flops") is None else f"{tr['mfu_flops']:.1%}"
+            row += (f" {fmt(tr, 'tokens_per_s', '{:,.0f}')} | {ratio(tr, o)} | {ratio(tr, h)} | "
+                    f"{fmt(tr, 'mfu', '{:.1%}')} | {flops_mfu} | {fmt(tr, 'peak_gib', '{:.1f}')} |")
+        print(row)
     if profile_table:
         print(f"\nCUDA-time profile of our step at s={a.profile_seq} (top kernels):\n{profile_table}")
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as fh:
             json.dump(results, fh, indent=2, default=str)
     if nonfinite:
