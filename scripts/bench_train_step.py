@@ -422,20 +422,28 @@ def run_trainer(cfg: dict, s: int, iters: int, log_interval: int, recompute: boo
             env.pop(var, None)
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        proc = subprocess.run(trainer_command(cfg_path, s, iters, log_interval, recompute, extra), cwd=tmp, env=env,
-                              capture_output=True, text=True)
+        out_path = os.path.join(tmp, "out.log")
+        err_path = os.path.join(tmp, "err.log")
+        # the output goes to files as it comes (a run cut short by a time limit leaves its log behind)
+        with open(log_path or out_path, "w") as out, open(err_path, "w") as err:
+            proc = subprocess.run(trainer_command(cfg_path, s, iters, log_interval, recompute, extra), cwd=tmp,
+                                  env=env, stdout=out, stderr=err, text=True)
+        with open(log_path or out_path) as fh:
+            stdout = fh.read()
+        with open(err_path) as fh:
+            stderr = fh.read()
     if log_path:
-        with open(log_path, "w") as fh:
-            fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        with open(log_path, "a") as fh:
+            fh.write("\n--- stderr ---\n" + stderr)
     rec = {"returncode": proc.returncode}
     try:
-        rec.update(parse_trainer_log(proc.stdout))
+        rec.update(parse_trainer_log(stdout))
     except ValueError as e:
         rec["error"] = str(e)
     if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        lines = [ln for ln in stderr.splitlines() if ln.strip()]
         rec["error"] = f"exit {proc.returncode}: {lines[-1][-300:] if lines else 'no stderr'}"
-        if "OutOfMemoryError" in proc.stderr:
+        if "OutOfMemoryError" in stderr:
             rec["oom"] = True
     return rec
 
