@@ -26,9 +26,10 @@ Every length also prints the last timed step's phases (forward, backward, optimi
 same config (written to a JSON file, ``--hf-config``), Megatron-LM's trainer with ``--bf16
 --use-distributed-optimizer --torch-fused-adam``, mock data, one row of ``s`` tokens a step, ``--trainer-iters``
 iterations logged every ``--trainer-log-interval``, in its own process after the in-process models. Its ms/step is
-the mean of Megatron-LM's "elapsed time per iteration" over the logged intervals after the first (which holds the
-warm-up); MFU is given both as 6N (``N`` counted as above on a meta-device build) and from the trainer's own
-"throughput per GPU" (this project's FLOP count, attention terms included), each against the measured matmul rate.
+the mean of Megatron-LM's "elapsed time per iteration" over the logged intervals after the first full one (which
+holds the compilation, autotuning and graph captures: 232 s for its first step on a fresh H100); MFU is given
+both as 6N (``N`` counted as above on a meta-device build) and from the trainer's own "throughput per GPU" (this
+project's FLOP count, attention terms included), each against the measured matmul rate.
 The trainer's log is written next to ``--out`` (``_trainer_<s>.log``).
 """
 
@@ -374,15 +375,17 @@ TRAINER_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per itera
 TRAINER_MEMORY = re.compile(r"memory \(MB\) \| allocated: [0-9.]+ \| max allocated: ([0-9.]+)")
 
 
-def parse_trainer_log(text: str) -> dict:
+def parse_trainer_log(text: str, log_interval: int) -> dict:
     """Megatron-LM's per-interval log lines of a training run -> ``{"intervals": [(iteration, ms/step, TFLOP/s or
-    None, lm loss)], "seconds", "tflops", "loss", "first_loss", "peak_gib"}``; ``seconds`` / ``tflops`` average the
-    intervals after the first (all of them when there is only one). Raises ``ValueError`` when no line is found."""
+    None, lm loss)], "seconds", "tflops", "loss", "first_loss", "peak_gib"}``. ``seconds`` / ``tflops`` average the
+    intervals that end after iteration ``log_interval``: Megatron-LM logs iteration 1 on its own, then every
+    ``log_interval`` iterations, and the first interval still holds the kernels' compilation, autotuning and graph
+    captures (the last interval when no later one exists). Raises ``ValueError`` when no line is found."""
     rows = [(int(m.group(1)), float(m.group(2)), float(m.group(3)) if m.group(3) else None, float(m.group(4)))
             for m in TRAINER_LINE.finditer(text)]
     if not rows:
         raise ValueError("no 'elapsed time per iteration' line in the trainer's output")
-    timed = rows[1:] or rows
+    timed = [r for r in rows if r[0] > log_interval] or rows[-1:]
     tflops = [r[2] for r in timed if r[2] is not None]
     peaks = [float(x) for x in TRAINER_MEMORY.findall(text)]
     return {"intervals": rows, "seconds": sum(r[1] for r in timed) / len(timed) / 1e3,
@@ -437,7 +440,7 @@ def run_trainer(cfg: dict, s: int, iters: int, log_interval: int, recompute: boo
             fh.write("\n--- stderr ---\n" + stderr)
     rec = {"returncode": proc.returncode}
     try:
-        rec.update(parse_trainer_log(stdout))
+        rec.update(parse_trainer_log(stdout, log_interval))
     except ValueError as e:
         rec["error"] = str(e)
     if proc.returncode != 0:
@@ -542,7 +545,7 @@ def main(argv=None) -> int:
                     flops_mfu = "-" if rec["mfu_flops"] is None else f"{rec['mfu_flops'] * 100:5.1f} %"
                     print(f"[trainer] s={s:6d}{' (recompute)' if recompute else ''}: {t * 1e3:9.1f} ms/step  "
                           f"{s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  MFU (trainer FLOPs) {flops_mfu}  "
-                          f"peak {rec['peak_gib']:6.1f} GiB  loss {rec['loss']:.3f} (first interval "
+                          f"peak {rec['peak_gib']:6.1f} GiB  loss {rec['loss']:.3f} (first logged "
                           f"{rec['first_loss']:.3f})", flush=True)
                 else:
                     print(f"[trainer] s={s:6d}: {'OOM' if rec.get('oom') else 'ERROR'} {rec.get('error', '')}",

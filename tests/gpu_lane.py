@@ -40,7 +40,7 @@ def pytest_sessionstart(session):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and "gpu" in item.keywords and not hasattr(report, "wasxfail"):
+    if report.skipped and item.get_closest_marker("gpu") is not None and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped in the GPU lane, which counts that as a failure: {reason}"
