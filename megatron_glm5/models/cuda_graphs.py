@@ -41,7 +41,7 @@ Status (2026-12-04): on by default with CUDA (``models.builder.default_backends`
 step went from 178.7 to 159.8 ms with it (2K: 106.1 ms, 8K: 293.2 ms, every loss finite). Before the workspace
 scoping, a 2K-token run gave NaN weight gradients to experts 8 and 9 of the first graphed layer: exactly the 32 MiB
 stretch [1392, 1424) MiB of its fc2 gradients, cuBLAS's Hopper workspace size; with the scoping the same probe is
-finite (docs/performance.md, "The 2K NaN of the CUDA-graphed MoE layers"). On the H200 the GPU tests of
+finite (docs/performance.md, "MoE CUDA graphs and cuBLAS's workspace"). On the H200 the GPU tests of
 ``tests/test_cuda_graphs.py`` pass; the training-loop test failed only its loss tolerance at the harness's lr 1e-2
 (run-to-run noise of the GPU run itself is as large) and now runs at lr 1e-3, whose runs were checked outside
 pytest (same commands; losses within 4.1e-4 over four steps). With the whole MLP half graphed (2026-12-04,
