@@ -27,8 +27,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                    pg_collection=None):
     """The GLM-5.3 model of one (virtual) pipeline stage, its config from the flags."""
     from megatron.training import get_args
+    from megatron.training.utils import print_rank_0
 
-    from megatron_glm5.models.builder import build_model
+    from megatron_glm5.models.builder import build_model, describe_backends
     from megatron_glm5.training.arguments import model_config_from_args
     from megatron_glm5.training.flops import register_model_chunk
     from megatron_glm5.training.moe_load_logging import finalize_grads_and_log_expert_loads
@@ -37,6 +38,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = model_config_from_args(args, device)
     config.finalize_model_grads_func = finalize_grads_and_log_expert_loads  # Megatron-LM keeps a func already set
+    if not vp_stage:  # the start-up table of what runs, each fallback with its reason (once, on rank 0)
+        print_rank_0(describe_backends(config, device))
     model = build_model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     register_model_chunk(model)  # --log-throughput counts its weights
     if args.freeze_vision and getattr(model, "vision_model", None) is not None:

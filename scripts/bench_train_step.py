@@ -142,6 +142,10 @@ def build_ours(cfg: dict, dev: str, dtype, backends: dict):
         kw["bf16"] = True
     config = Glm5Config.from_hf(cfg, **kw)
     model = build_model(config, parallel_output=True)
+    if dev != "meta":
+        from megatron_glm5.models.builder import describe_backends
+
+        print(describe_backends(config, dev), flush=True)
     model.to_dtype(dtype)
     model.to(dev)
     return model.train()

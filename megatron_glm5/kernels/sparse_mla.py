@@ -32,6 +32,7 @@ Kernels (one program per query and block of heads; ``BLOCK_N`` selected rows gat
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -59,8 +60,25 @@ BWD_CONFIG_FP32 = dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=
 """Backward tiling for fp32 inputs: the single fused kernel at 32 heads per program (fp32 q and dO would not fit in
 shared memory at 64 heads)."""
 _SMEM_BUDGET = 200 * 1024
-"""Shared-memory bytes a backward program may plan for (sm_90 allows 227 KiB per block); block sizes are halved
-until the estimate fits, so wider latents than the released 512 still compile."""
+"""Shared-memory bytes a program may plan for on sm_90 (which allows 227 KiB per block); block sizes are halved
+until the estimate fits, so wider latents than the released 512 still compile. Other devices get
+:func:`device_limits`' budget."""
+
+
+@functools.lru_cache(maxsize=None)
+def device_limits(index: int) -> Tuple[int, bool]:
+    """``(shared-memory budget in bytes, 16-byte vector reductions available)`` of CUDA device ``index``: the
+    sm_90 budget :data:`_SMEM_BUDGET` where the device's opt-in per-block shared memory allows it, else that maximum
+    less 8 KiB (the compiler's own use; A100: 155 KiB, sm_86 / sm_89: 91 KiB); ``red.global.add.v4.f32`` from
+    compute capability 9.0 on (older devices take scalar atomics). With these the kernels compile on any device
+    Triton supports; ``models.builder.default_backends`` still picks them only on sm_90."""
+    props = torch.cuda.get_device_properties(index)
+    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0) or _SMEM_BUDGET + 8 * 1024
+    return min(_SMEM_BUDGET, optin - 8 * 1024), (props.major, props.minor) >= (9, 0)
+
+
+def _limits(t: torch.Tensor) -> Tuple[int, bool]:
+    return device_limits(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 _LOG2E = 1.4426950408889634
 
@@ -270,7 +288,7 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
     """``q [T, H, R]``, ``kv [T, R]``, ``idx [T, W]`` int32 (flat rows, ``-1`` unused), ``n_end [T]`` int32
     -> ``(o [T, H, R], lse [T, H] fp32, log2 units)``."""
     T, H, R = q.shape
-    cfg = _fit_fwd_shared_memory(FWD_CONFIG, R) if q.element_size() == 2 else FWD_CONFIG_FP32
+    cfg = _fit_fwd_shared_memory(FWD_CONFIG, R, _limits(q)[0]) if q.element_size() == 2 else FWD_CONFIG_FP32
     bh = _block_h(H, cfg["BLOCK_H"])
     o = torch.empty_like(q)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
@@ -283,33 +301,33 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
     return o, lse
 
 
-def _fit_fwd_shared_memory(cfg: dict, R: int) -> dict:
+def _fit_fwd_shared_memory(cfg: dict, R: int, budget: int = _SMEM_BUDGET) -> dict:
     """Forward tiling cut until q ``[BLOCK_H, R]`` and ``num_stages`` buffers of gathered rows ``[BLOCK_N, R]``
-    (16-bit) fit :data:`_SMEM_BUDGET`: ``BLOCK_N`` halved down to 32, then fewer stages, then ``BLOCK_N`` down to 16,
+    (16-bit) fit ``budget`` bytes: ``BLOCK_N`` halved down to 32, then fewer stages, then ``BLOCK_N`` down to 16,
     then ``BLOCK_H`` halved."""
     t = dict(cfg)
 
     def need():
         return (t["BLOCK_H"] + t["num_stages"] * t["BLOCK_N"]) * R * 2
 
-    while need() > _SMEM_BUDGET and t["BLOCK_N"] > 32:
+    while need() > budget and t["BLOCK_N"] > 32:
         t["BLOCK_N"] //= 2
-    while need() > _SMEM_BUDGET and t["num_stages"] > 1:
+    while need() > budget and t["num_stages"] > 1:
         t["num_stages"] -= 1
-    while need() > _SMEM_BUDGET and t["BLOCK_N"] > 16:
+    while need() > budget and t["BLOCK_N"] > 16:
         t["BLOCK_N"] //= 2
-    while need() > _SMEM_BUDGET and t["BLOCK_H"] > 16:
+    while need() > budget and t["BLOCK_H"] > 16:
         t["BLOCK_H"] //= 2
     return t
 
 
-def _bwd_passes(cfg: dict, passes=None, R: int = 0):
+def _bwd_passes(cfg: dict, passes=None, R: int = 0, budget: int = _SMEM_BUDGET):
     """Kernel launches of the backward for a :data:`BWD_CONFIG`: ``[(compute_dq, compute_dkv, tiling)]``.
 
     ``split`` runs dq and dkv as two launches whose tilings may differ (optional ``dq`` / ``dkv`` sub-dicts
     override the shared keys); ``passes`` (benchmarks) picks explicit ``(compute_dq, compute_dkv)`` launches.
     With ``R`` given, each tiling's ``BLOCK_N`` then ``BLOCK_H`` are halved (not below 16) until its shared-memory
-    estimate fits :data:`_SMEM_BUDGET`."""
+    estimate fits ``budget`` bytes."""
     base = {k: v for k, v in cfg.items() if k not in ("split", "dq", "dkv")}
     split = bool(cfg.get("split"))
     if passes is None:
@@ -320,11 +338,11 @@ def _bwd_passes(cfg: dict, passes=None, R: int = 0):
         tiling = {**base, **(own if split else {})}
         if not (dkv and not dq):
             tiling.pop("form", None)                    # the transposed form computes dkv alone
-        out.append((dq, dkv, _fit_shared_memory(tiling, dq and dkv, R) if R else tiling))
+        out.append((dq, dkv, _fit_shared_memory(tiling, dq and dkv, R, budget) if R else tiling))
     return out
 
 
-def _fit_shared_memory(tiling: dict, fused: bool, R: int) -> dict:
+def _fit_shared_memory(tiling: dict, fused: bool, R: int, budget: int = _SMEM_BUDGET) -> dict:
     """``tiling`` with ``BLOCK_N``, then ``BLOCK_H``, halved until the staged operands fit: q and dO
     ``[BLOCK_H, R]`` (twice each in the fused kernel, which also needs their transposed copies) and the gathered rows
     ``[BLOCK_N, R]``."""
@@ -333,9 +351,9 @@ def _fit_shared_memory(tiling: dict, fused: bool, R: int) -> dict:
     def need():
         return ((4 if fused else 2) * t["BLOCK_H"] + t["BLOCK_N"]) * R * 2          # 16-bit operands
 
-    while need() > _SMEM_BUDGET and t["BLOCK_N"] > 16:
+    while need() > budget and t["BLOCK_N"] > 16:
         t["BLOCK_N"] //= 2
-    while need() > _SMEM_BUDGET and t["BLOCK_H"] > 16:
+    while need() > budget and t["BLOCK_H"] > 16:
         t["BLOCK_H"] //= 2
     return t
 
@@ -351,8 +369,9 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
     dq = torch.empty_like(o)
     dkv = torch.zeros(T, R, device=kv.device, dtype=torch.float32)
     half = q.element_size() == 2               # fp32 products run without tensor cores (ieee): no staging to fit
+    budget, vec_ok = _limits(q)
     for compute_dq, compute_dkv, cfg in _bwd_passes(BWD_CONFIG if half else BWD_CONFIG_FP32, passes,
-                                                    R if half else 0):
+                                                    R if half else 0, budget):
         bh = _block_h(H, cfg["BLOCK_H"])
         n_hblocks = triton.cdiv(H, bh)
         if cfg.get("form") == "dkv_t":
@@ -370,7 +389,7 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
             q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), do.stride(0),
             do.stride(1), H, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
-            COMPUTE_DQ=compute_dq, COMPUTE_DKV=compute_dkv, VEC_RED=int(cfg.get("vec_red", 0)) if R % 4 == 0 else 0,
+            COMPUTE_DQ=compute_dq, COMPUTE_DKV=compute_dkv, VEC_RED=int(cfg.get("vec_red", 0)) if R % 4 == 0 and vec_ok else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq.to(q.dtype), dkv.to(kv.dtype)
 
