@@ -19,7 +19,7 @@ import math
 import os
 import re
 import sys
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, NoReturn, Optional
 
 from megatron_glm5.cli import one_line
 
@@ -43,10 +43,38 @@ def print_line(line: str) -> None:
     sys.stderr.flush()
 
 
-def fail(message: str, prog: str = PROG) -> None:
-    """Print one error line and exit 2 (what every argument error of the training entry does)."""
-    print_line(f"{prog}: error: {one_line(message)}")
-    raise SystemExit(2)
+# how long a rank other than 0 waits for rank 0 to report an error that every rank hit, before reporting it itself
+RANK0_GRACE_S = 30.0
+
+
+def exit_with_line(line: str, code: int) -> NoReturn:
+    """End this process with exit status ``code`` and ``line`` on stderr, said once for all ranks of a run.
+
+    Rank 0 (``$RANK``; a process outside a launcher is rank 0) prints the line, immune to the launcher's SIGTERM and a
+    second Ctrl-C meanwhile. Another rank stays silent and waits up to :data:`RANK0_GRACE_S` seconds, in which a
+    launcher ends it once rank 0 has exited (torchrun stops every rank when one fails); one still running after that
+    hit the error on its own and prints the line itself."""
+    import signal
+    import time
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            saved[sig] = signal.signal(sig, signal.SIG_IGN if rank0 else signal.SIG_DFL)
+        except ValueError:  # not the main thread
+            pass
+    if not rank0:
+        time.sleep(RANK0_GRACE_S)
+    print_line(line)
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+    raise SystemExit(code)
+
+
+def fail(message: str, prog: str = PROG) -> NoReturn:
+    """One error line (from rank 0) and exit 2: what every argument error of the training entry does."""
+    exit_with_line(f"{prog}: error: {one_line(message)}", 2)
 
 
 def _require(cond: bool, flag: str, reason: str) -> None:

@@ -44,3 +44,72 @@ def sgd_init_state(opt: torch.optim.SGD, config=None) -> None:
         for p in group["params"]:
             if opt.state[p].get("momentum_buffer") is None:
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
+
+
+# ---------------------------------------------------------------------------- non-finite updates
+class StepSnapshot:
+    """What one step of a megatron optimizer writes, kept so that the step can be undone: per part (a megatron
+    optimizer of a ``ChainedOptimizer``) the values of its torch optimizer's parameters (the fp32 main parameters,
+    or their distributed-optimizer shards, or the model's own parameters in fp32 training) and its state (Adam's
+    moments and step counts). Costs one copy of those tensors on their device while it is held."""
+
+    def __init__(self, optimizer):
+        self.parts = []
+        for part in optimizer_parts(optimizer):
+            inner = getattr(part, "optimizer", None)
+            if inner is None or getattr(part, "is_stub_optimizer", False):
+                continue
+            params = [p for g in inner.param_groups for p in g["params"]]
+            state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                     for p, s in inner.state.items()}
+            self.parts.append((part, inner, params, [p.detach().clone() for p in params], state))
+
+    @torch.no_grad()
+    def restore(self, replay_step_with_ready_grads) -> None:
+        """Put the parameters and state back, then run ``replay_step_with_ready_grads`` (the chained optimizer's
+        ``step_with_ready_grads``) with every torch optimizer's update turned off: megatron's own copy of the main
+        parameters into the model's (and, with the distributed optimizer, their all-gather) spreads them again."""
+        for _, inner, params, saved, state in self.parts:
+            if params:
+                torch._foreach_copy_(params, saved)
+            inner.state.clear()
+            inner.state.update(state)
+            inner.step = _no_update
+        try:
+            replay_step_with_ready_grads()
+        finally:
+            for _, inner, *_ in self.parts:
+                del inner.step
+
+
+def _no_update(*args, **kwargs):
+    return None
+
+
+def max_abs_weight(optimizer) -> torch.Tensor:
+    """The largest magnitude over the parameters the torch optimizers of ``optimizer`` update on this rank (NaN if
+    any is NaN), a float32 scalar on the parameters' device (0 when the rank updates none)."""
+    groups = {}
+    for part in optimizer_parts(optimizer):
+        inner = getattr(part, "optimizer", None)
+        if inner is None or getattr(part, "is_stub_optimizer", False):
+            continue
+        for g in inner.param_groups:
+            for p in g["params"]:
+                if p.numel():
+                    groups.setdefault((p.device, p.dtype), []).append(p.detach())
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    out = torch.zeros((), dtype=torch.float32, device=device)
+    for tensors in groups.values():
+        norms = torch._foreach_norm(tensors, float("inf"))
+        m = torch.stack([n.float() for n in norms]).max().to(device)
+        out = torch.maximum(out, m)  # NaN propagates
+    return out
+
+
+def weight_limit(config) -> float:
+    """The largest magnitude a weight of a model trained with optimizer ``config`` can hold: its fp32 main weights
+    are copied into bf16 / fp16 model weights under ``--bf16`` / ``--fp16``."""
+    dtype = torch.bfloat16 if getattr(config, "bf16", False) else (
+        torch.float16 if getattr(config, "fp16", False) else torch.float32)
+    return float(torch.finfo(dtype).max)
