@@ -5,7 +5,6 @@ at any phase, and steps whose update makes weights NaN/inf (skipped, counted, un
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -292,24 +291,61 @@ def test_model_holding_nan_is_not_saved():
     assert saved == [3]
 
 
-def test_step_snapshot_restores_weights_and_adam_state():
-    """StepSnapshot on a plain torch AdamW (megatron's FP32Optimizer shape): the step undone bitwise, its state
-    (created by the first step) too."""
-    from megatron_glm5.training.optimizer import StepSnapshot, max_abs_weight
+class _Part:
+    """What update_keeps_weights_within reads of a megatron optimizer: its torch optimizer."""
 
-    class Part:  # what StepSnapshot reads of a megatron optimizer
-        def __init__(self, inner):
-            self.optimizer = inner
+    def __init__(self, inner):
+        self.optimizer = inner
 
-    w = torch.nn.Parameter(torch.randn(8, 8))
-    inner = torch.optim.AdamW([w], lr=1e-2, weight_decay=1e45)
-    part = Part(inner)
-    w.grad = torch.randn(8, 8)
-    before = w.detach().clone()
-    snap = StepSnapshot(part)
-    inner.step()
-    assert not torch.isfinite(max_abs_weight(part))
-    replays = []
-    snap.restore(lambda: replays.append(inner.step()))  # the replay runs with the update turned off
-    assert torch.equal(w.detach(), before) and dict(inner.state) == {} and replays == [None]
-    assert json.dumps(float(max_abs_weight(part))) == json.dumps(float(before.abs().max()))
+
+@pytest.mark.parametrize("make", [
+    lambda ps, wd: torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd),
+    lambda ps, wd: torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd, fused=True),
+    lambda ps, wd: torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd, foreach=False),
+    lambda ps, wd: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=wd),
+])
+def test_trial_update_changes_nothing_and_predicts_the_step(make):
+    """The trial leaves parameters, gradients, state and param groups bitwise as they were; it answers False for an
+    update that overflows, True otherwise, and the real step after a True trial equals a step without one."""
+    from megatron_glm5.training.optimizer import update_keeps_weights_within
+
+    def setup(wd):
+        torch.manual_seed(0)
+        ws = [torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(
+            torch.randn(3))]
+        opt = make([{"params": ws[:2]}, {"params": ws[2:], "weight_decay": 0.0}], 0.1)
+        for _ in range(2):  # state exists; then the decay under test and one more set of gradients
+            for w in ws:
+                w.grad = torch.randn_like(w)
+            opt.step()
+        opt.param_groups[0]["weight_decay"] = wd
+        for w in ws:
+            w.grad = torch.randn_like(w)
+        return ws, opt
+
+    def snapshot(ws, opt):
+        return ([w.detach().clone() for w in ws], [w.grad.clone() for w in ws],
+                {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()},
+                [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                [[id(p) for p in g["params"]] for g in opt.param_groups])
+
+    def same(a, b):
+        assert all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+        assert a[2].keys() == b[2].keys() and all(
+            (torch.equal(v, b[2][p][k]) if torch.is_tensor(v) else v == b[2][p][k]) for p in a[2] for k, v in a[2][p].items())
+        assert a[3] == b[3] and a[4] == b[4]
+
+    ws, opt = setup(1e45)  # decay 1e45: the 8x8 and 8 weights overflow, the third group's stays finite
+    before = snapshot(ws, opt)
+    assert update_keeps_weights_within(_Part(opt), float(torch.finfo(torch.float32).max)) is False
+    same(before, snapshot(ws, opt))
+
+    ws, opt = setup(0.1)
+    before = snapshot(ws, opt)
+    assert update_keeps_weights_within(_Part(opt), float(torch.finfo(torch.float32).max)) is True
+    same(before, snapshot(ws, opt))
+    opt.step()
+    ws2, opt2 = setup(0.1)
+    opt2.step()
+    assert all(torch.equal(a, b) for a, b in zip(ws, ws2))
+    assert update_keeps_weights_within(_Part(opt), 1e-3) is False  # a limit below the weights: out of range

@@ -4,8 +4,8 @@
 * **Non-finite steps skipped and counted.** megatron-core's ``ChainedOptimizer.step`` applies an update whatever its
   gradient norm (its ``grad_norm_skip_threshold`` compares ``norm > threshold``, false for NaN) and whatever the
   updated weights hold. The optimizer the trainer builds gets a step that leaves parameters, optimizer state and
-  learning-rate schedule untouched when the gradient norm is NaN/inf or when the update makes a weight NaN/inf on
-  any rank (undone from a copy of the step's inputs: :func:`_skip_nonfinite_steps`); such a step is counted
+  learning-rate schedule untouched when the gradient norm is NaN/inf or when the update would make a weight NaN/inf
+  on any rank (tried first on copies, one parameter at a time: :func:`_skip_nonfinite_steps`); such a step is counted
   (``update_successful`` False: Megatron-LM's ``number of skipped iterations``) and
   ``--max-consecutive-skipped-iterations`` in a row end the run (:class:`TrainingStopped`, exit 1). A model that
   holds a NaN/inf weight anyway (a buffer such as the expert bias) is never saved: the run stops instead.
@@ -54,17 +54,17 @@ def _any_rank(flag: bool) -> bool:
 
 def _skip_nonfinite_steps(optimizer, max_consecutive: int):
     """Make ``optimizer`` (megatron-core's ``ChainedOptimizer``) skip a step whose gradient norm is NaN/inf or whose
-    update makes a weight NaN/inf (or too large for the model's bf16 / fp16 weights).
+    update would make a weight NaN/inf (or too large for the model's bf16 / fp16 weights) on any rank.
 
     ``ChainedOptimizer.step`` computes the norm with ``get_grad_norm`` and then calls ``step_with_ready_grads``; the
-    norm is recorded on the way and the update refused when it is not finite. Otherwise the parameters and state
-    the torch optimizers write are kept (:class:`~megatron_glm5.training.optimizer.StepSnapshot`), the update is
-    applied, and the largest updated weight on every rank is checked (one fused pass over this rank's main weights
-    or their distributed-optimizer shards, one all-reduce over all ranks): when any rank holds a non-finite one, every
-    rank puts its parameters and state back and spreads them to the model's weights as megatron does after a step.
-    A skipped step returns False (``update_successful``: Megatron-LM counts it in 'number of skipped iterations' and
-    leaves the learning-rate schedule); ``max_consecutive`` in a row raise :class:`TrainingStopped`."""
-    from megatron_glm5.training.optimizer import StepSnapshot, max_abs_weight, weight_limit
+    norm is recorded on the way and the update refused when it is not finite. Otherwise the update is first tried
+    parameter by parameter on copies (:func:`~megatron_glm5.training.optimizer.update_keeps_weights_within`: the
+    optimizer's own arithmetic, nothing changed) and, when it would put a weight out of range on any rank (one
+    all-reduce over all ranks: the distributed optimizer's main weights are sharded), refused on every rank before
+    anything is written. A skipped step returns False (``update_successful``: Megatron-LM counts it in 'number of
+    skipped iterations' and leaves the learning-rate schedule); ``max_consecutive`` in a row raise
+    :class:`TrainingStopped`."""
+    from megatron_glm5.training.optimizer import update_keeps_weights_within, weight_limit
 
     get_grad_norm, step_with_ready_grads = optimizer.get_grad_norm, optimizer.step_with_ready_grads
     state = {"norm": None, "in_a_row": 0}
@@ -91,14 +91,10 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
         norm = state["norm"]
         if norm is not None and not math.isfinite(float(norm)):
             return skipped(f"gradient norm {float(norm)}")
-        snapshot = StepSnapshot(optimizer)
-        update_successful = step_with_ready_grads()
-        largest = max_abs_weight(optimizer)
-        if _any_rank(not bool(largest <= limit)):
-            snapshot.restore(step_with_ready_grads)
+        if _any_rank(not update_keeps_weights_within(optimizer, limit)):
             return skipped("the update makes weights NaN/inf")
         state["in_a_row"] = 0
-        return update_successful
+        return step_with_ready_grads()
 
     optimizer.get_grad_norm = recorded_grad_norm
     optimizer.step_with_ready_grads = checked_step_with_ready_grads

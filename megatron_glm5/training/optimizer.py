@@ -47,64 +47,60 @@ def sgd_init_state(opt: torch.optim.SGD, config=None) -> None:
 
 
 # ---------------------------------------------------------------------------- non-finite updates
-class StepSnapshot:
-    """What one step of a megatron optimizer writes, kept so that the step can be undone: per part (a megatron
-    optimizer of a ``ChainedOptimizer``) the values of its torch optimizer's parameters (the fp32 main parameters,
-    or their distributed-optimizer shards, or the model's own parameters in fp32 training) and its state (Adam's
-    moments and step counts). Costs one copy of those tensors on their device while it is held."""
+@torch.no_grad()
+def update_keeps_weights_within(optimizer, limit: float) -> bool:
+    """Whether the next ``step()`` of the torch optimizers behind megatron optimizer ``optimizer`` leaves every
+    parameter they update on this rank (the fp32 main weights, their distributed-optimizer shards, or the model's own
+    weights in fp32 training) within ``[-limit, limit]`` (NaN is outside), without changing anything.
 
-    def __init__(self, optimizer):
-        self.parts = []
-        for part in optimizer_parts(optimizer):
-            inner = getattr(part, "optimizer", None)
-            if inner is None or getattr(part, "is_stub_optimizer", False):
-                continue
-            params = [p for g in inner.param_groups for p in g["params"]]
-            state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                     for p, s in inner.state.items()}
-            self.parts.append((part, inner, params, [p.detach().clone() for p in params], state))
+    Each parameter is tried alone: a copy of it, of its gradient and of its state is put in its param group in its
+    place (every other group emptied) and stepped by the optimizer itself, so the result is bitwise what the real
+    step computes for it (the optimizers megatron-core builds update each tensor on its own: Adam, SGD, their fused
+    and multi-tensor forms); an update the optimizer cannot compute in the parameters' dtype (torch's "value cannot
+    be converted to type float without overflow") is out of range too. Costs one more pass of the optimizer's
+    arithmetic and, at a time, a copy of one parameter with its gradient and state; the param groups (their step
+    counters included) are put back as they were."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-    @torch.no_grad()
-    def restore(self, replay_step_with_ready_grads) -> None:
-        """Put the parameters and state back, then run ``replay_step_with_ready_grads`` (the chained optimizer's
-        ``step_with_ready_grads``) with every torch optimizer's update turned off: megatron's own copy of the main
-        parameters into the model's (and, with the distributed optimizer, their all-gather) spreads them again."""
-        for _, inner, params, saved, state in self.parts:
-            if params:
-                torch._foreach_copy_(params, saved)
-            inner.state.clear()
-            inner.state.update(state)
-            inner.step = _no_update
-        try:
-            replay_step_with_ready_grads()
-        finally:
-            for _, inner, *_ in self.parts:
-                del inner.step
-
-
-def _no_update(*args, **kwargs):
-    return None
-
-
-def max_abs_weight(optimizer) -> torch.Tensor:
-    """The largest magnitude over the parameters the torch optimizers of ``optimizer`` update on this rank (NaN if
-    any is NaN), a float32 scalar on the parameters' device (0 when the rank updates none)."""
-    groups = {}
+    worst = None
     for part in optimizer_parts(optimizer):
         inner = getattr(part, "optimizer", None)
         if inner is None or getattr(part, "is_stub_optimizer", False):
             continue
-        for g in inner.param_groups:
-            for p in g["params"]:
-                if p.numel():
-                    groups.setdefault((p.device, p.dtype), []).append(p.detach())
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    out = torch.zeros((), dtype=torch.float32, device=device)
-    for tensors in groups.values():
-        norms = torch._foreach_norm(tensors, float("inf"))
-        m = torch.stack([n.float() for n in norms]).max().to(device)
-        out = torch.maximum(out, m)  # NaN propagates
-    return out
+        if isinstance(inner, HybridDeviceOptimizer):  # --optimizer-cpu-offload: steps copies it keeps per param
+            continue
+        groups = inner.param_groups
+        saved = [dict(g) for g in groups]
+        try:
+            for i, group in enumerate(saved):
+                for p in group["params"]:
+                    if p.grad is None:  # not updated by the step either
+                        continue
+                    trial = p.detach().clone()
+                    trial.grad = p.grad.detach().clone()
+                    if p in inner.state:
+                        inner.state[trial] = {k: v.clone() if torch.is_tensor(v) else v
+                                              for k, v in inner.state[p].items()}
+                    for g, g_saved in zip(groups, saved):
+                        g.clear()
+                        g.update(g_saved, params=[])
+                    groups[i]["params"] = [trial]
+                    try:
+                        inner.step()
+                    except RuntimeError as e:  # a factor (lr x weight decay, ...) beyond the dtype's range
+                        if "without overflow" not in str(e):
+                            raise
+                        return False
+                    finally:
+                        inner.state.pop(trial, None)
+                    largest = torch.linalg.vector_norm(trial.float(), float("inf")) if trial.numel() else None
+                    if largest is not None:
+                        worst = largest if worst is None else torch.maximum(worst, largest.to(worst.device))
+        finally:
+            for g, g_saved in zip(groups, saved):
+                g.clear()
+                g.update(g_saved)
+    return worst is None or bool(worst <= limit)
 
 
 def weight_limit(config) -> float:
