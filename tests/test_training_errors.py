@@ -349,3 +349,58 @@ def test_trial_update_changes_nothing_and_predicts_the_step(make):
     opt2.step()
     assert all(torch.equal(a, b) for a, b in zip(ws, ws2))
     assert update_keeps_weights_within(_Part(opt), 1e-3) is False  # a limit below the weights: out of range
+
+
+BAD_DATA_SCRIPT = '''
+import sys, torch
+import pretrain_glm5_vlm as P
+from megatron_glm5.data import DataError
+
+class Corrupt(torch.utils.data.Dataset):
+    """Row 5 cannot be read (a data loader worker raises)."""
+    def __init__(self, n, s): self.n, self.s = n, s
+    def __len__(self): return self.n
+    def __getitem__(self, i):
+        if i == 5:
+            raise DataError("shard-0.tar: sample 5: image is truncated")
+        t = torch.full((self.s,), 7, dtype=torch.long)
+        return {"tokens": t, "labels": t, "loss_mask": torch.ones(self.s)}
+
+def provider(num_samples, vp_stage=None):
+    from megatron.training import get_args
+    return Corrupt(num_samples[0], get_args().seq_length), None, None
+
+provider.is_distributed = True
+
+if __name__ == "__main__":
+    from megatron_glm5.training.entry import run_pretrain
+    sys.exit(run_pretrain(provider, P.model_provider, P.forward_step, argv=sys.argv[1:], prog="bad_data"))
+'''
+
+
+def test_data_error_in_a_loader_worker_mid_run_is_one_line(tmp_path):
+    script = tmp_path / "bad_data.py"
+    script.write_text(BAD_DATA_SCRIPT)
+    proc = run(TINY + ["--mock-data", "--train-iters", "4", "--num-workers", "1"], script=str(script))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert error_lines(proc) == ["bad_data: error: shard-0.tar: sample 5: image is truncated"], proc.stderr
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_exit_with_line_rank_0_speaks_other_ranks_only_when_left_alive(capsys, monkeypatch, rank):
+    """Rank 0 prints at once; another rank waits for the launcher to end it and prints only if it is still alive
+    after the grace period (it alone hit the error). Signal handlers are as before afterwards."""
+    import time
+
+    from megatron_glm5.training import arguments
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(arguments, "RANK0_GRACE_S", 0.5)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exc:
+        arguments.exit_with_line("prog: error: x \udcff", 3)
+    waited = time.monotonic() - start
+    assert exc.value.code == 3 and capsys.readouterr().err == "prog: error: x \\udcff\n"
+    assert (waited >= 0.5) == (rank == "1")
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers

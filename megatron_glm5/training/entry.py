@@ -85,9 +85,19 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
             code = 2 if isinstance(e, ArgumentError) else 1
         else:
             raise
-        from megatron_glm5.checkpoint.errors import one_line
+        return _exit(f"{prog}: error: {_user_message(e)}{_last_checkpoint(run.get('save'))}", code)
 
-        return _exit(f"{prog}: error: {one_line(e)}{_last_checkpoint(run.get('save'))}", code)
+
+def _user_message(e: BaseException) -> str:
+    """``e``'s message as one line; an error a DataLoader worker raised carries the worker's traceback in its message
+    (torch's ``ExceptionWrapper``): its last line, the original message, is kept."""
+    from megatron_glm5.checkpoint.errors import one_line
+
+    text = str(e)
+    if "\nOriginal Traceback (most recent call last):" in text:
+        last = [ln for ln in text.splitlines() if ln.strip()][-1]
+        return one_line(RuntimeError(last.split(": ", 1)[-1]))
+    return one_line(e)
 
 
 def _exit(line: str, code: int) -> int:
