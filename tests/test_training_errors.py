@@ -211,6 +211,30 @@ def _interrupt(args, marker, tmp_path):
     return proc.wait(timeout=300), err
 
 
+def test_torchrun_ctrl_c_is_one_line_from_rank_0():
+    """Ctrl-C to the whole process group (torchrun and both ranks) during training: the line once, at once."""
+    import time
+
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", PROG] + TINY + [
+        "--mock-data", "--train-iters", "50"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:
+        if "iteration        3/" in line:
+            break
+    start = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.stdout.read()
+    err = proc.stderr.read()
+    proc.wait(timeout=300)
+    assert [ln for ln in err.splitlines() if ln.startswith(PROG)] == [f"{PROG}: interrupted"], err
+    assert "[rank" not in err and "megatron_glm5/" not in err and "KeyboardInterrupt" not in err, err
+    assert time.monotonic() - start < 20  # no rank waits for the launcher's forced kill
+
+
 @pytest.mark.parametrize("marker", [
     None,                                                  # start-up: imports
     pytest.param("> initializing torch distributed", marks=pytest.mark.slow),
@@ -404,3 +428,6 @@ def test_exit_with_line_rank_0_speaks_other_ranks_only_when_left_alive(capsys, m
     assert exc.value.code == 3 and capsys.readouterr().err == "prog: error: x \\udcff\n"
     assert (waited >= 0.5) == (rank == "1")
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    with pytest.raises(SystemExit) as exc:  # Ctrl-C reached every rank: only rank 0 speaks, nobody waits
+        arguments.exit_with_line("prog: interrupted", 130, every_rank_hit_it=True)
+    assert exc.value.code == 130 and capsys.readouterr().err == ("prog: interrupted\n" if rank == "0" else "")

@@ -47,13 +47,14 @@ def print_line(line: str) -> None:
 RANK0_GRACE_S = 30.0
 
 
-def exit_with_line(line: str, code: int) -> NoReturn:
+def exit_with_line(line: str, code: int, every_rank_hit_it: bool = False) -> NoReturn:
     """End this process with exit status ``code`` and ``line`` on stderr, said once for all ranks of a run.
 
     Rank 0 (``$RANK``; a process outside a launcher is rank 0) prints the line, immune to the launcher's SIGTERM and a
-    second Ctrl-C meanwhile. Another rank stays silent and waits up to :data:`RANK0_GRACE_S` seconds, in which a
-    launcher ends it once rank 0 has exited (torchrun stops every rank when one fails); one still running after that
-    hit the error on its own and prints the line itself."""
+    second Ctrl-C meanwhile. Another rank stays silent: at once when ``every_rank_hit_it`` (Ctrl-C reaches them all);
+    otherwise it waits up to :data:`RANK0_GRACE_S` seconds, in which a launcher ends it once rank 0 has exited
+    (torchrun stops every rank when one fails), and one still running after that hit the error on its own and prints
+    the line itself."""
     import signal
     import time
 
@@ -65,6 +66,8 @@ def exit_with_line(line: str, code: int) -> NoReturn:
         except ValueError:  # not the main thread
             pass
     if not rank0:
+        if every_rank_hit_it:
+            raise SystemExit(code)
         time.sleep(RANK0_GRACE_S)
     print_line(line)
     for sig, handler in saved.items():

@@ -73,7 +73,7 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     try:
         return _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)
     except KeyboardInterrupt:
-        return _exit(f"{prog}: interrupted{_last_checkpoint(run.get('save'))}", 130)
+        return _exit(f"{prog}: interrupted{_last_checkpoint(run.get('save'))}", 130, every_rank_hit_it=True)
     except Exception as e:  # noqa: BLE001 - user errors become one line; anything else is re-raised as it was
         if os.environ.get("MEGATRON_GLM5_TRACEBACK") == "1":
             raise
@@ -100,13 +100,13 @@ def _user_message(e: BaseException) -> str:
     return one_line(e)
 
 
-def _exit(line: str, code: int) -> int:
+def _exit(line: str, code: int, every_rank_hit_it: bool = False) -> int:
     """One line (rank 0 only) and ``code``: :func:`~megatron_glm5.training.arguments.exit_with_line`'s exit
     status, returned."""
     from megatron_glm5.training.arguments import exit_with_line
 
     try:
-        exit_with_line(line, code)
+        exit_with_line(line, code, every_rank_hit_it)
     except SystemExit as e:
         return int(e.code)
 
