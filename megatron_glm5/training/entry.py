@@ -54,8 +54,10 @@ def user_errors() -> tuple:
     return (ArgumentError, CheckpointError, DataError, Glm5ConfigError, TrainingStopped)
 
 
-# OSError numbers that are the machine's state, not a bug: the user's to fix (a full or read-only disk, no permission)
-_USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+# OSError numbers that are the machine's state, not a bug: the user's to fix (a full or read-only disk, no permission,
+# a file removed or replaced by a directory while the run reads it)
+_USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR,
+                          errno.EISDIR})
 
 
 def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable,
@@ -66,9 +68,10 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
 
     Ctrl-C at any point (start-up, argument checks, model or data building, training, saving) ends the run with one
     line ``PROG: interrupted`` and exit 130; a user-caused error (:func:`user_errors`, an OSError of a full or
-    read-only disk or a missing permission) with one line ``PROG: error: ...`` and exit 2 for a flag, 1 otherwise;
-    both name the last intact checkpoint of ``--save``. Under a launcher only rank 0 prints the line
-    (:func:`~megatron_glm5.training.arguments.exit_with_line`); every rank exits non-zero."""
+    read-only disk, a missing permission or a missing file) with one line ``PROG: error: ...`` and exit 2 for a flag,
+    1 otherwise; both name the last intact checkpoint of ``--save``. Under a launcher only rank 0 prints the line
+    (:func:`~megatron_glm5.training.arguments.exit_with_line`); every rank exits non-zero. Any other exception is a
+    bug and keeps its traceback; ``MEGATRON_GLM5_TRACEBACK=1`` shows the traceback of user errors too."""
     run = {}
     try:
         return _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)
