@@ -19,13 +19,17 @@ _PROGRAM_START = time.time()  # --exit-duration-in-mins counts from here (Megatr
 
 import sys  # noqa: E402
 from functools import partial  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
-import torch  # noqa: E402
+if TYPE_CHECKING:
+    import torch
+# torch and megatron are imported inside the functions: a Ctrl-C while they load ends in the entry's one line
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
                    pg_collection=None):
     """The GLM-5.3 model of one (virtual) pipeline stage, its config from the flags."""
+    import torch
     from megatron.training import get_args
     from megatron.training.utils import print_rank_0
 
@@ -162,6 +166,7 @@ def get_batch(data_iterator, config) -> dict:
 
     Under context parallelism the packed row is cut into this rank's contiguous chunk (padded to a multiple of
     CP x TP with sequence parallelism) and ``packed_seq_params`` says where the chunk sits in the row."""
+    import torch
     from megatron.core import parallel_state
 
     from megatron_glm5.data.context_parallel import split_batch_for_cp
@@ -204,6 +209,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     the schedule (or, per token, the gradient reduction) divides by the count. Under context parallelism without
     per-token loss: (this rank's share of the row's token mean, report), so that the gradient equals one rank's.
     With ``--check-for-nan-in-loss-and-grad`` a NaN/inf loss goes to Megatron-LM's rerun state machine."""
+    import torch
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args

@@ -15,9 +15,11 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
+import re
 import sys
-from typing import List, Optional
+from typing import List, NamedTuple, NoReturn, Optional
 
 from megatron_glm5.cli import one_line
 
@@ -33,15 +35,167 @@ class ArgumentError(ValueError):
         self.flag = flag
 
 
-def fail(message: str, prog: str = PROG) -> None:
-    """Print one error line and exit 2 (what every user-facing failure of the training entry does)."""
-    print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+def print_line(line: str) -> None:
+    """Write ``line`` to stderr as one line; characters stderr cannot encode (a lone surrogate from a file name or
+    a config value) are written as backslash escapes."""
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    sys.stderr.write(line.encode(encoding, "backslashreplace").decode(encoding) + "\n")
+    sys.stderr.flush()
+
+
+# how long a rank other than 0 waits for rank 0 to report an error that every rank hit, before reporting it itself
+RANK0_GRACE_S = 30.0
+
+
+def exit_with_line(line: str, code: int, every_rank_hit_it: bool = False) -> NoReturn:
+    """End this process with exit status ``code`` and ``line`` on stderr, said once for all ranks of a run.
+
+    Rank 0 (``$RANK``; a process outside a launcher is rank 0) prints the line, immune to the launcher's SIGTERM and a
+    second Ctrl-C meanwhile. Another rank stays silent: at once when ``every_rank_hit_it`` (Ctrl-C reaches them all);
+    otherwise it waits up to :data:`RANK0_GRACE_S` seconds, in which a launcher ends it once rank 0 has exited
+    (torchrun stops every rank when one fails), and one still running after that hit the error on its own and prints
+    the line itself."""
+    import signal
+    import time
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            saved[sig] = signal.signal(sig, signal.SIG_IGN if rank0 else signal.SIG_DFL)
+        except ValueError:  # not the main thread
+            pass
+    if not rank0:
+        if every_rank_hit_it:
+            raise SystemExit(code)
+        time.sleep(RANK0_GRACE_S)
+    print_line(line)
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+    raise SystemExit(code)
+
+
+def fail(message: str, prog: str = PROG) -> NoReturn:
+    """One error line (from rank 0) and exit 2: what every argument error of the training entry does."""
+    exit_with_line(f"{prog}: error: {one_line(message)}", 2)
 
 
 def _require(cond: bool, flag: str, reason: str) -> None:
     if not cond:
         raise ArgumentError(flag, reason)
+
+
+# ---------------------------------------------------------------------------- numeric flags
+class Bound(NamedTuple):
+    """The values a numeric flag accepts: ``lo`` / ``hi`` (None: unbounded), each inclusive unless ``*_open``."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def admits(self, v: float) -> bool:
+        return ((self.lo is None or (v > self.lo if self.lo_open else v >= self.lo))
+                and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)))
+
+    def __str__(self) -> str:
+        lo, hi = (f"{v:g}" if isinstance(v, float) else v for v in (self.lo, self.hi))
+        if self.hi is None:
+            return f"must be {'>' if self.lo_open else '>='} {lo}"
+        return f"must lie in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+
+
+_POSITIVE = Bound(1)
+_NON_NEGATIVE = Bound(0)
+_ABOVE_ZERO = Bound(0, lo_open=True)
+_FRACTION = Bound(0, 1)
+_BETA = Bound(0, 1, hi_open=True)
+
+# Megatron-LM's parser takes any value its flag's type reads; a run then fails on some (a modulo by a zero interval,
+# a seed out of numpy's range, a negative worker count, dropout > 1) or misreads them (NaN / inf). The bounds every
+# numeric flag gets (:func:`flag_bound`): a float is finite; an int is >= 0 (>= 1 for an ``*_interval`` flag) unless
+# its Megatron-LM default is below that (0 or -1: off); the flags below are held to tighter bounds.
+_BOUNDS = {
+    **dict.fromkeys((
+        "micro_batch_size", "global_batch_size", "eval_micro_batch_size", "eval_global_batch_size", "train_iters",
+        "train_samples", "lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
+        "seq_length", "encoder_seq_length", "decoder_seq_length", "max_position_embeddings", "num_layers",
+        "encoder_num_layers", "decoder_num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+        "num_query_groups", "kv_channels", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+        "microbatch_group_size_per_virtual_pipeline_stage", "recompute_num_layers", "exit_duration_in_mins",
+        "dist_ckpt_workers", "num_dataset_builder_threads", "tensorboard_queue_size", "make_vocab_size_divisible_by",
+        "distributed_timeout_minutes", "num_distributed_optimizer_instances", "ddp_num_buckets", "ddp_bucket_size",
+        "vocab_size", "padded_vocab_size", "hysteresis", "fp8_interval", "fp8_amax_history_len",
+        "max_consecutive_skipped_iterations"), _POSITIVE),
+    "seed": Bound(1, 2**31 - 1),  # > 0 (Megatron-LM), + 100 x PP rank + 10 x DP rank within numpy's 2**32
+    **dict.fromkeys((
+        "lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "start_weight_decay", "end_weight_decay",
+        "clip_grad", "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+        "moe_input_jitter_eps", "mtp_loss_scaling_factor", "lr_warmup_init", "sgd_momentum"), _NON_NEGATIVE),
+    **dict.fromkeys(("adam_eps", "norm_epsilon", "initial_loss_scale", "min_loss_scale", "loss_scale",
+                     "loss_scale_window", "moe_expert_capacity_factor"), _ABOVE_ZERO),
+    **dict.fromkeys(("hidden_dropout", "attention_dropout", "lr_warmup_fraction", "optimizer_offload_fraction",
+                     "activation_offload_fraction"), _FRACTION),
+    **dict.fromkeys(("adam_beta1", "adam_beta2", "lion_beta1", "lion_beta2", "muon_momentum"), _BETA),
+    "rotary_percent": Bound(0, 1, lo_open=True),
+}
+
+
+def flag_bound(action: argparse.Action) -> Optional[Bound]:
+    """The bound of a numeric flag (an int / float ``type``), or None for a flag of another type."""
+    if action.type not in (int, float):
+        return None
+    if action.dest in _BOUNDS:
+        return _BOUNDS[action.dest]
+    if action.type is float:
+        return Bound()
+    low = 1 if action.dest.endswith("_interval") else 0
+    defaults = action.default if isinstance(action.default, list) else [action.default]
+    low = min([low] + [d for d in defaults if isinstance(d, int)])
+    return Bound(low)
+
+
+def check_numeric_flags(args: argparse.Namespace, actions: List[argparse.Action]) -> None:
+    """Every numeric flag within its bound (:func:`flag_bound`), floats finite; raises :class:`ArgumentError`
+    naming the first flag that is not."""
+    for action in actions:
+        bound = flag_bound(action)
+        value = getattr(args, action.dest, None)
+        if bound is None or value is None or not action.option_strings:
+            continue
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is None:
+                continue
+            if not math.isfinite(v):
+                raise ArgumentError(action.option_strings[0], f"{v} is not a finite number")
+            if not bound.admits(v):
+                raise ArgumentError(action.option_strings[0], f"{bound} (got {v})")
+
+
+# Megatron-LM reads --split with ``re.findall(r"[.0-9]+", split)`` (parse_and_normalize_split): any other character
+# separates numbers, so '2e1,80' is read as 2,1,80 and 'inf,1,0' as 1,0. Accepted here: exactly what it reads as
+# written, up to three comma-separated non-negative decimals, not all zero.
+_SPLIT = re.compile(r"\s*[.0-9]+(\s*,\s*[.0-9]+){0,2}\s*")
+
+
+def check_split(split: Optional[str], train: bool) -> None:
+    """``--split`` in the form whose reading by megatron-core's ``parse_and_normalize_split`` is the written one;
+    ``train``: the run trains (the training weight must not be 0). Raises :class:`ArgumentError`."""
+    if split is None:
+        return
+    usage = "expected up to three comma-separated non-negative decimal weights (train,valid,test), e.g. 969,30,1"
+    _require(_SPLIT.fullmatch(split) is not None, "--split", f"{split!r}: {usage}")
+    try:
+        weights = [float(w) for w in split.split(",")]
+    except ValueError:
+        raise ArgumentError("--split", f"{split!r}: {usage}") from None
+    _require(all(math.isfinite(w) for w in weights) and sum(weights) > 0, "--split",
+             f"{split!r}: the weights must not all be 0")
+    if train:
+        _require(weights[0] > 0, "--split", f"{split!r}: the training weight is 0")
 
 
 # ---------------------------------------------------------------------------- the GLM flags
@@ -138,7 +292,7 @@ def hf_config_dict(hf_config: Optional[str], model_preset: Optional[str], num_la
         with open(path, encoding="utf-8") as fh:
             hf = json.load(fh)
         if not isinstance(hf, dict):
-            raise ArgumentError("--hf-config", f"{path} does not hold a JSON object")
+            raise ArgumentError("--hf-config", f"{path} holds a JSON {type(hf).__name__}, not an object")
     if num_layers is not None:
         text = dict(hf.get("text_config", hf))
         for key in ("layer_types", "mlp_layer_types", "indexer_types", "index_topk_pattern"):
@@ -164,8 +318,12 @@ def _architecture(argv: List[str]):
     try:
         hf = hf_config_dict(pre.hf_config, pre.model_preset, pre.num_layers)
         return hf, Glm5Config.from_hf(hf, use_cpu_initialization=True)
+    except ArgumentError:
+        raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ArgumentError("--hf-config", f"cannot read the config: {one_line(e)}") from None
+    except RecursionError:
+        raise ArgumentError("--hf-config", "cannot read the config: JSON nested too deeply") from None
     except (Glm5ConfigError, ValueError, TypeError, KeyError) as e:
         raise ArgumentError("--hf-config", one_line(e)) from None
 
@@ -236,8 +394,12 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
             raise ArgumentError(name, f"{getattr(args, flag)} contradicts the architecture of "
                                       f"{args.hf_config or args.model_preset} ({want}); leave it out")
         setattr(args, flag, want)  # over a Megatron-LM default (--moe-router-topk 2)
-    _require(args.max_consecutive_skipped_iterations >= 1, "--max-consecutive-skipped-iterations", "must be >= 1")
     files = [f for f in (args.data_path or []) if not _is_number(f)]
+    for w in (args.data_path or []):
+        if _is_number(w):
+            _require(math.isfinite(float(w)) and float(w) > 0, "--data-path",
+                     f"a weight must be a finite number > 0 (got {w})")
+    check_split(args.split, train=bool(files))
     _require(args.mock_data or files, "--data-path", "give --data-path or --mock-data")
     _require(not (args.mock_data and files), "--mock-data", "give either --mock-data or --data-path, not both")
     _require(not (args.mock_data and args.dataset_type == "vqa"), "--mock-data",
@@ -305,9 +467,11 @@ def _argv(argv: List[str], prog: str):
 
 
 def _one_line_parser_errors(prog: str):
-    """The extra-args provider, with the parser's own errors (unknown flag, bad choice or type) as one line."""
+    """The extra-args provider, with the parser's own errors (unknown flag, bad choice or type) as one line; the
+    parser it was given is kept as ``provider.parser``."""
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        provider.parser = parser
         parser.prog = prog
         parser.error = lambda message: fail(message, prog)
         for action in parser._actions:  # a literal '%' in a Megatron-LM help text makes --help raise
@@ -325,11 +489,7 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     """The flags Megatron-LM checks with a bare ``assert`` (or not at all) that a user gets wrong most: checked first,
     naming the flag. ``config``: the architecture's Glm5Config."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    for flag in ("micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "expert_model_parallel_size", "context_parallel_size", "log_interval"):
-        value = getattr(args, flag)
-        _require(value is not None and value >= 1, "--" + flag.replace("_", "-"),
-                 "required, >= 1" if value is None else "must be >= 1")
+    _require(args.micro_batch_size is not None, "--micro-batch-size", "required")  # >= 1: check_numeric_flags
     _require(args.world_size % (tp * pp * cp) == 0, "--tensor-model-parallel-size",
              f"world size {args.world_size} is not divisible by TP {tp} x PP {pp} x CP {cp}")
     dp = args.world_size // (tp * pp * cp)
@@ -347,7 +507,7 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     _require(args.seq_length is not None and args.seq_length >= 2, "--seq-length", "required, >= 2")
     _require((args.train_iters or 0) >= 1 or (args.train_samples or 0) >= 1, "--train-iters",
              "required, >= 1 (or --train-samples)")
-    _require(args.lr is not None and args.lr >= 0, "--lr", "required, >= 0")
+    _require(args.lr is not None, "--lr", "required")
     _require(0 <= args.min_lr <= args.lr, "--min-lr", f"must lie in [0, --lr={args.lr}]")
     if args.train_iters and args.lr_warmup_fraction is None:
         decay = args.lr_decay_iters or args.train_iters
@@ -421,10 +581,12 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
         fail(str(e), prog)
     megatron_noise = io.StringIO()
     try:
+        provider = _one_line_parser_errors(prog)
         with _argv(argv, prog):
-            args = megatron_parse_args(extra_args_provider=_one_line_parser_errors(prog))
+            args = megatron_parse_args(extra_args_provider=provider)
         if world_size is not None:
             args.world_size = world_size
+        check_numeric_flags(args, provider.parser._actions)
         for key, value in defaults.items():  # what validate_args does with its defaults, first: our checks read them
             if getattr(args, key, None) is None:
                 setattr(args, key, value)

@@ -4,16 +4,17 @@
 Before Megatron-LM starts: on a machine without CUDA the CPU redirects (:mod:`megatron_glm5.cpu_compat`), this
 project's megatron-core changes (:func:`megatron_glm5.initialize.install_patches`), this model's hooks into the
 trainer (:mod:`megatron_glm5.training.megatron_hooks`, :mod:`megatron_glm5.training.flops`), then the flags
-(:func:`megatron_glm5.training.arguments.parse_args`: one line and exit 2 on a bad one). A run stopped by too many
-non-finite steps in a row, a save that fails (full disk) or a ``--save`` another run holds
-(:mod:`megatron_glm5.training.save_guard`) exits 1 with one line; Ctrl-C (SIGINT) ends it with one line and exit 130.
+(:func:`megatron_glm5.training.arguments.parse_args`: one line and exit 2 on a bad one). A user-caused error later
+(:func:`user_errors`: bad data or checkpoints, too many non-finite steps in a row, a save that fails on a full disk,
+a ``--save`` another run holds (:mod:`megatron_glm5.training.save_guard`)) ends the run with one line and exit 1,
+Ctrl-C (SIGINT) at any point with one line and exit 130; under a launcher the line comes from rank 0 only.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import sys
 import warnings
 from typing import Callable, List, Optional
 
@@ -41,11 +42,84 @@ def _last_checkpoint(save: Optional[str]) -> str:
     return f"; the last checkpoint (iteration {last}) in {save} is intact"
 
 
+def user_errors() -> tuple:
+    """The exceptions a user causes (bad flags, data, configs or checkpoints, a run stopped by non-finite steps): the
+    entry ends the run with one line, no traceback. Every other exception is a bug and keeps its traceback."""
+    from megatron_glm5.checkpoint.errors import CheckpointError
+    from megatron_glm5.config import Glm5ConfigError
+    from megatron_glm5.data import DataError
+    from megatron_glm5.training.arguments import ArgumentError
+    from megatron_glm5.training.megatron_hooks import TrainingStopped
+    from megatron_glm5.training.save_guard import SaveFailed
+
+    return (ArgumentError, CheckpointError, DataError, Glm5ConfigError, TrainingStopped, SaveFailed)
+
+
+# OSError numbers that are the machine's state, not a bug: the user's to fix (a full or read-only disk, no permission,
+# a file removed or replaced by a directory while the run reads it)
+_USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR,
+                          errno.EISDIR})
+
+
 def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable,
                  argv: Optional[List[str]] = None, prog: str = "pretrain_glm5_vlm.py",
                  program_start: Optional[float] = None) -> int:
     """Run Megatron-LM's ``pretrain`` with these providers; returns the exit status. ``program_start``: when the
-    program started (``time.time()``), from which ``--exit-duration-in-mins`` counts."""
+    program started (``time.time()``), from which ``--exit-duration-in-mins`` counts.
+
+    Ctrl-C at any point (start-up, argument checks, model or data building, training, saving) ends the run with one
+    line ``PROG: interrupted`` and exit 130; a user-caused error (:func:`user_errors`, an OSError of a full or
+    read-only disk, a missing permission or a missing file) with one line ``PROG: error: ...`` and exit 2 for a flag,
+    1 otherwise; both name the last intact checkpoint of ``--save``. Under a launcher only rank 0 prints the line
+    (:func:`~megatron_glm5.training.arguments.exit_with_line`); every rank exits non-zero. Any other exception is a
+    bug and keeps its traceback; ``MEGATRON_GLM5_TRACEBACK=1`` shows the traceback of user errors too."""
+    run = {}
+    try:
+        return _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)
+    except KeyboardInterrupt:
+        return _exit(f"{prog}: interrupted{_last_checkpoint(run.get('save'))}", 130, every_rank_hit_it=True)
+    except Exception as e:  # noqa: BLE001 - user errors become one line; anything else is re-raised as it was
+        if os.environ.get("MEGATRON_GLM5_TRACEBACK") == "1":
+            raise
+        if isinstance(e, OSError) and e.errno in _USER_ERRNOS:
+            code = 1
+        elif isinstance(e, user_errors()):
+            from megatron_glm5.training.arguments import ArgumentError
+
+            code = 2 if isinstance(e, ArgumentError) else 1
+        else:
+            raise
+        from megatron_glm5.training.save_guard import SaveFailed, SaveGuardError
+
+        last = "" if isinstance(e, SaveGuardError) else _last_checkpoint(run.get("save"))  # --save is not this run's
+        return _exit(f"{prog}: error: {_user_message(e)}{last}", code, every_rank_hit_it=isinstance(e, SaveFailed))
+
+
+def _user_message(e: BaseException) -> str:
+    """``e``'s message as one line; an error a DataLoader worker raised carries the worker's traceback in its message
+    (torch's ``ExceptionWrapper``): its last line, the original message, is kept."""
+    from megatron_glm5.checkpoint.errors import one_line
+
+    text = str(e)
+    if "\nOriginal Traceback (most recent call last):" in text:
+        last = [ln for ln in text.splitlines() if ln.strip()][-1]
+        return one_line(RuntimeError(last.split(": ", 1)[-1]))
+    return one_line(e)
+
+
+def _exit(line: str, code: int, every_rank_hit_it: bool = False) -> int:
+    """One line (rank 0 only) and ``code``: :func:`~megatron_glm5.training.arguments.exit_with_line`'s exit
+    status, returned."""
+    from megatron_glm5.training.arguments import exit_with_line
+
+    try:
+        exit_with_line(line, code, every_rank_hit_it)
+    except SystemExit as e:
+        return int(e.code)
+
+
+def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run: dict) -> int:
+    """:func:`run_pretrain`'s work; ``run['save']`` is set to ``--save`` once the flags are read."""
     import time
 
     _quiet_megatron()
@@ -73,6 +147,7 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     args = parse_args(argv, prog)
+    run["save"] = args.save
     from megatron.training.utils import print_rank_0
 
     if os.environ.get("MEGATRON_GLM5_CHECK_ARGS") == "1":  # the examples' DRY_RUN: the flags only
@@ -91,22 +166,11 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
 
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
     cfg = pretrain_cfg_container_from_args(args)
-    try:
-        with save_guard.save_lock(args):  # rank 0 holds --save for the run
-            pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
-        from megatron_glm5.models.cuda_graphs import describe_graphed_modules
+    with save_guard.save_lock(args):  # rank 0 holds --save for the run
+        pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    from megatron_glm5.models.cuda_graphs import describe_graphed_modules
 
-        graphs = describe_graphed_modules(flops._MODEL_CHUNKS)  # how the MoE CUDA graphs ran, when there are any
-        if graphs:
-            print_rank_0(graphs)
-    except save_guard.SaveGuardError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except (megatron_hooks.TrainingStopped, save_guard.SaveFailed) as e:
-        if not isinstance(e, save_guard.SaveFailed) or os.environ.get("RANK", "0") == "0":  # every rank has it
-            print(f"{prog}: error: {e}{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
-        return 130
+    graphs = describe_graphed_modules(flops._MODEL_CHUNKS)  # how the MoE CUDA graphs ran, when there are any
+    if graphs:
+        print_rank_0(graphs)
     return 0

@@ -2,10 +2,13 @@
 (:func:`install`), listed by :func:`describe`, and printed at start-up.
 
 * **Non-finite steps skipped and counted.** megatron-core's ``ChainedOptimizer.step`` applies an update whatever its
-  gradient norm (its ``grad_norm_skip_threshold`` compares ``norm > threshold``, false for NaN). The optimizer the
-  trainer builds gets a step that leaves parameters, optimizer state and learning-rate schedule untouched when the
-  gradient norm is NaN/inf (``update_successful`` False: Megatron-LM counts it in ``number of skipped iterations``),
-  and ends the run (:class:`TrainingStopped`, exit 1) after ``--max-consecutive-skipped-iterations`` in a row.
+  gradient norm (its ``grad_norm_skip_threshold`` compares ``norm > threshold``, false for NaN) and whatever the
+  updated weights hold. The optimizer the trainer builds gets a step that leaves parameters, optimizer state and
+  learning-rate schedule untouched when the gradient norm is NaN/inf or when the update would make a weight NaN/inf
+  on any rank (tried first on copies, one parameter at a time: :func:`_skip_nonfinite_steps`); such a step is counted
+  (``update_successful`` False: Megatron-LM's ``number of skipped iterations``) and
+  ``--max-consecutive-skipped-iterations`` in a row end the run (:class:`TrainingStopped`, exit 1). A model that
+  holds a NaN/inf weight anyway (a buffer such as the expert bias) is never saved: the run stops instead.
 * **fp32 islands under bf16** get param groups of their own (``ParamKey(attr='keep_fp32')``), so that fp32 master
   weights pair with the right parameters.
 * **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
@@ -36,32 +39,60 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (too many skipped iterations in a row); the message names the iteration."""
 
 
+def _any_rank(flag: bool) -> bool:
+    """``flag`` or'ed over every rank (a MAX all-reduce over the world; ``flag`` itself without a process group)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
 def _skip_nonfinite_steps(optimizer, max_consecutive: int):
-    """Make ``optimizer`` (megatron-core's ``ChainedOptimizer``) skip the update of a step whose gradient norm is
-    NaN/inf. ``ChainedOptimizer.step`` computes the norm with ``get_grad_norm`` and then calls
-    ``step_with_ready_grads``; the norm is recorded on the way and the update refused when it is not finite."""
+    """Make ``optimizer`` (megatron-core's ``ChainedOptimizer``) skip a step whose gradient norm is NaN/inf or whose
+    update would make a weight NaN/inf (or too large for the model's bf16 / fp16 weights) on any rank.
+
+    ``ChainedOptimizer.step`` computes the norm with ``get_grad_norm`` and then calls ``step_with_ready_grads``; the
+    norm is recorded on the way and the update refused when it is not finite. Otherwise the update is first tried
+    parameter by parameter on copies (:func:`~megatron_glm5.training.optimizer.update_keeps_weights_within`: the
+    optimizer's own arithmetic, nothing changed) and, when it would put a weight out of range on any rank (one
+    all-reduce over all ranks: the distributed optimizer's main weights are sharded), refused on every rank before
+    anything is written. A skipped step returns False (``update_successful``: Megatron-LM counts it in 'number of
+    skipped iterations' and leaves the learning-rate schedule); ``max_consecutive`` in a row raise
+    :class:`TrainingStopped`."""
+    from megatron_glm5.training.optimizer import update_keeps_weights_within, weight_limit
+
     get_grad_norm, step_with_ready_grads = optimizer.get_grad_norm, optimizer.step_with_ready_grads
     state = {"norm": None, "in_a_row": 0}
+    limit = weight_limit(getattr(optimizer, "config", None))
 
     def recorded_grad_norm():
         state["norm"] = get_grad_norm()
         return state["norm"]
 
+    def skipped(reason: str) -> bool:
+        from megatron.training import get_args
+        from megatron.training.utils import print_rank_0
+
+        state["in_a_row"] += 1
+        iteration = get_args().curr_iteration + 1
+        print_rank_0(f"iteration {iteration}: {reason}: update skipped ({state['in_a_row']} in a row)")
+        if state["in_a_row"] >= max_consecutive:
+            raise TrainingStopped(f"stopped at iteration {iteration}: {state['in_a_row']} iterations in a row had a "
+                                  f"NaN/inf loss, gradient norm or updated weight "
+                                  f"(--max-consecutive-skipped-iterations {max_consecutive})")
+        return False
+
     def checked_step_with_ready_grads():
         norm = state["norm"]
         if norm is not None and not math.isfinite(float(norm)):
-            state["in_a_row"] += 1
-            from megatron.training import get_args
-            from megatron.training.utils import print_rank_0
-
-            iteration = get_args().curr_iteration + 1
-            print_rank_0(f"iteration {iteration}: gradient norm {float(norm)}: update skipped "
-                         f"({state['in_a_row']} in a row)")
-            if state["in_a_row"] >= max_consecutive:
-                raise TrainingStopped(f"stopped at iteration {iteration}: {state['in_a_row']} iterations in a row "
-                                      f"had a NaN/inf loss or gradient norm (--max-consecutive-skipped-iterations "
-                                      f"{max_consecutive})")
-            return False
+            return skipped(f"gradient norm {float(norm)}")
+        if _any_rank(not update_keeps_weights_within(optimizer, limit)):
+            return skipped("the update makes weights NaN/inf")
         state["in_a_row"] = 0
         return step_with_ready_grads()
 
@@ -93,6 +124,40 @@ def _glm5_get_megatron_optimizer(upstream):
 
     get_megatron_optimizer.glm5_hook = True
     return get_megatron_optimizer
+
+
+def _nonfinite_weight(model) -> str:
+    """The name of this rank's first model parameter or floating buffer (the expert bias) holding a NaN/inf ('' if
+    none): one fused max-magnitude pass per device and dtype."""
+    import torch
+
+    named = [(f"{name}", t.detach()) for chunk in model
+             for name, t in list(chunk.named_parameters()) + list(chunk.named_buffers())
+             if t.is_floating_point() and t.numel()]
+    groups = {}
+    for name, t in named:
+        groups.setdefault((t.device, t.dtype), []).append((name, t))
+    for items in groups.values():
+        norms = torch._foreach_norm([t for _, t in items], float("inf"))
+        finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
+        if not all(finite):
+            return items[finite.index(False)][0]
+    return ""
+
+
+def _refuse_nonfinite_save(upstream):
+    """Megatron-LM's ``save_checkpoint``, refusing (:class:`TrainingStopped`, on every rank) to save a model that
+    holds a NaN/inf weight on any rank: the previous checkpoint stays the last one."""
+
+    def save_checkpoint(iteration, model, *args, **kwargs):
+        bad = _nonfinite_weight(model if isinstance(model, (list, tuple)) else [model])
+        if _any_rank(bool(bad)):
+            where = f" ({bad})" if bad else ""
+            raise TrainingStopped(f"iteration {iteration}: the weights hold NaN/inf{where}; checkpoint not saved")
+        return upstream(iteration, model, *args, **kwargs)
+
+    save_checkpoint.glm5_nonfinite_guard = True
+    return save_checkpoint
 
 
 def _compile_helpers_unless_shipped(upstream):
@@ -197,10 +262,13 @@ def install() -> None:
     if not isinstance(checkpointing.dist_checkpointing, _Glm5DistCheckpointing):
         checkpointing.dist_checkpointing = _Glm5DistCheckpointing(checkpointing.dist_checkpointing)
         _INSTALLED.append("checkpoints: hf_config.json (the architecture) written beside every save")
+    if not getattr(training.save_checkpoint, "glm5_nonfinite_guard", False):
+        training.save_checkpoint = _refuse_nonfinite_save(training.save_checkpoint)
+        _INSTALLED.append("checkpoints: a model holding NaN/inf weights is not saved (the run stops)")
     if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
         training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
-        _INSTALLED.append("optimizer: non-finite steps skipped and counted; fp32 islands in their own param groups "
-                          "under bf16; --torch-fused-adam")
+        _INSTALLED.append("optimizer: steps with a NaN/inf gradient norm or updated weight skipped and counted; "
+                          "fp32 islands in their own param groups under bf16; --torch-fused-adam")
 
 
 def describe() -> str:

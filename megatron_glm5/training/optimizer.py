@@ -44,3 +44,68 @@ def sgd_init_state(opt: torch.optim.SGD, config=None) -> None:
         for p in group["params"]:
             if opt.state[p].get("momentum_buffer") is None:
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
+
+
+# ---------------------------------------------------------------------------- non-finite updates
+@torch.no_grad()
+def update_keeps_weights_within(optimizer, limit: float) -> bool:
+    """Whether the next ``step()`` of the torch optimizers behind megatron optimizer ``optimizer`` leaves every
+    parameter they update on this rank (the fp32 main weights, their distributed-optimizer shards, or the model's own
+    weights in fp32 training) within ``[-limit, limit]`` (NaN is outside), without changing anything.
+
+    Each parameter is tried alone: a copy of it, of its gradient and of its state is put in its param group in its
+    place (every other group emptied) and stepped by the optimizer itself, so the result is bitwise what the real
+    step computes for it (the optimizers megatron-core builds update each tensor on its own: Adam, SGD, their fused
+    and multi-tensor forms); an update the optimizer cannot compute in the parameters' dtype (torch's "value cannot
+    be converted to type float without overflow") is out of range too. Costs one more pass of the optimizer's
+    arithmetic and, at a time, a copy of one parameter with its gradient and state; the param groups (their step
+    counters included) are put back as they were."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    worst = None
+    for part in optimizer_parts(optimizer):
+        inner = getattr(part, "optimizer", None)
+        if inner is None or getattr(part, "is_stub_optimizer", False):
+            continue
+        if isinstance(inner, HybridDeviceOptimizer):  # --optimizer-cpu-offload: steps copies it keeps per param
+            continue
+        groups = inner.param_groups
+        saved = [dict(g) for g in groups]
+        try:
+            for i, group in enumerate(saved):
+                for p in group["params"]:
+                    if p.grad is None:  # not updated by the step either
+                        continue
+                    trial = p.detach().clone()
+                    trial.grad = p.grad.detach().clone()
+                    if p in inner.state:
+                        inner.state[trial] = {k: v.clone() if torch.is_tensor(v) else v
+                                              for k, v in inner.state[p].items()}
+                    for g, g_saved in zip(groups, saved):
+                        g.clear()
+                        g.update(g_saved, params=[])
+                    groups[i]["params"] = [trial]
+                    try:
+                        inner.step()
+                    except RuntimeError as e:  # a factor (lr x weight decay, ...) beyond the dtype's range
+                        if "without overflow" not in str(e):
+                            raise
+                        return False
+                    finally:
+                        inner.state.pop(trial, None)
+                    largest = torch.linalg.vector_norm(trial.float(), float("inf")) if trial.numel() else None
+                    if largest is not None:
+                        worst = largest if worst is None else torch.maximum(worst, largest.to(worst.device))
+        finally:
+            for g, g_saved in zip(groups, saved):
+                g.clear()
+                g.update(g_saved)
+    return worst is None or bool(worst <= limit)
+
+
+def weight_limit(config) -> float:
+    """The largest magnitude a weight of a model trained with optimizer ``config`` can hold: its fp32 main weights
+    are copied into bf16 / fp16 model weights under ``--bf16`` / ``--fp16``."""
+    dtype = torch.bfloat16 if getattr(config, "bf16", False) else (
+        torch.float16 if getattr(config, "fp16", False) else torch.float32)
+    return float(torch.finfo(dtype).max)
