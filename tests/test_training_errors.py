@@ -431,3 +431,33 @@ def test_exit_with_line_rank_0_speaks_other_ranks_only_when_left_alive(capsys, m
     with pytest.raises(SystemExit) as exc:  # Ctrl-C reached every rank: only rank 0 speaks, nobody waits
         arguments.exit_with_line("prog: interrupted", 130, every_rank_hit_it=True)
     assert exc.value.code == 130 and capsys.readouterr().err == ("prog: interrupted\n" if rank == "0" else "")
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True),
+])
+def test_weight_range_guard_bounds_hold_and_fall_back_to_the_exact_trial(make):
+    """Over 50 ordinary steps the guard proves every step from its bounds alone (one measurement, no trial) and its
+    weight bound stays at or above the true largest |weight|; a step the bounds cannot prove (weight decay 1e45) is
+    measured, then tried exactly, and refused, as the exact trial refuses it."""
+    from megatron_glm5.training.optimizer import WeightRangeGuard, update_keeps_weights_within
+
+    torch.manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(5))]
+    opt = make([{"params": ws[:1]}, {"params": ws[1:], "weight_decay": 0.0}])
+    guard = WeightRangeGuard(_Part(opt), float(torch.finfo(torch.float32).max))
+    for _ in range(50):
+        for w in ws:
+            w.grad = torch.randn_like(w) * 3
+        norm = float(torch.linalg.vector_norm(torch.cat([w.grad.flatten() for w in ws])))
+        assert guard.keeps_within(norm) is True
+        opt.step()
+        assert guard.bounds[0][0] >= max(float(w.detach().abs().max()) for w in ws)
+    assert (guard.measured, guard.tried) == (1, 0)
+    opt.param_groups[0]["weight_decay"] = 1e45
+    expected = update_keeps_weights_within(_Part(opt), float(torch.finfo(torch.float32).max))
+    assert expected is False
+    assert guard.keeps_within(norm) is expected
+    assert (guard.measured, guard.tried) == (2, 1)

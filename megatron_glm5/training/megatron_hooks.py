@@ -5,7 +5,7 @@
   gradient norm (its ``grad_norm_skip_threshold`` compares ``norm > threshold``, false for NaN) and whatever the
   updated weights hold. The optimizer the trainer builds gets a step that leaves parameters, optimizer state and
   learning-rate schedule untouched when the gradient norm is NaN/inf or when the update would make a weight NaN/inf
-  on any rank (tried first on copies, one parameter at a time: :func:`_skip_nonfinite_steps`); such a step is counted
+  on any rank (proven from bounds, else tried on copies: :func:`_skip_nonfinite_steps`); such a step is counted
   (``update_successful`` False: Megatron-LM's ``number of skipped iterations``) and
   ``--max-consecutive-skipped-iterations`` in a row end the run (:class:`TrainingStopped`, exit 1). A model that
   holds a NaN/inf weight anyway (a buffer such as the expert bias) is never saved: the run stops instead.
@@ -57,18 +57,20 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
     update would make a weight NaN/inf (or too large for the model's bf16 / fp16 weights) on any rank.
 
     ``ChainedOptimizer.step`` computes the norm with ``get_grad_norm`` and then calls ``step_with_ready_grads``; the
-    norm is recorded on the way and the update refused when it is not finite. Otherwise the update is first tried
-    parameter by parameter on copies (:func:`~megatron_glm5.training.optimizer.update_keeps_weights_within`: the
-    optimizer's own arithmetic, nothing changed) and, when it would put a weight out of range on any rank (one
-    all-reduce over all ranks: the distributed optimizer's main weights are sharded), refused on every rank before
-    anything is written. A skipped step returns False (``update_successful``: Megatron-LM counts it in 'number of
-    skipped iterations' and leaves the learning-rate schedule); ``max_consecutive`` in a row raise
-    :class:`TrainingStopped`."""
-    from megatron_glm5.training.optimizer import update_keeps_weights_within, weight_limit
+    norm is recorded on the way and the update refused when it is not finite. Otherwise
+    :class:`~megatron_glm5.training.optimizer.WeightRangeGuard` decides whether the update keeps the weights in range:
+    from bounds on the weights, moments and gradients in almost every step (no pass over the tensors), else by
+    measuring them, else by trying the update parameter by parameter on copies (the optimizer's own arithmetic,
+    nothing changed). When it would put a weight out of range on any rank (one all-reduce over all ranks: the
+    distributed optimizer's main weights are sharded) the step is refused on every rank before anything is written.
+    A skipped step returns False (``update_successful``: Megatron-LM counts it in 'number of skipped iterations' and
+    leaves the learning-rate schedule); ``max_consecutive`` in a row raise :class:`TrainingStopped`."""
+    from megatron_glm5.training.optimizer import WeightRangeGuard, weight_limit
 
     get_grad_norm, step_with_ready_grads = optimizer.get_grad_norm, optimizer.step_with_ready_grads
     state = {"norm": None, "in_a_row": 0}
-    limit = weight_limit(getattr(optimizer, "config", None))
+    guard = WeightRangeGuard(optimizer, weight_limit(getattr(optimizer, "config", None)))
+    optimizer.glm5_weight_range_guard = guard
 
     def recorded_grad_norm():
         state["norm"] = get_grad_norm()
@@ -91,7 +93,7 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
         norm = state["norm"]
         if norm is not None and not math.isfinite(float(norm)):
             return skipped(f"gradient norm {float(norm)}")
-        if _any_rank(not update_keeps_weights_within(optimizer, limit)):
+        if _any_rank(not guard.keeps_within(norm)):
             return skipped("the update makes weights NaN/inf")
         state["in_a_row"] = 0
         return step_with_ready_grads()

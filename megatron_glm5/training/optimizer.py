@@ -3,6 +3,8 @@ fallback, and a state layout for SGD so that its checkpoints load."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -109,3 +111,150 @@ def weight_limit(config) -> float:
     dtype = torch.bfloat16 if getattr(config, "bf16", False) else (
         torch.float16 if getattr(config, "fp16", False) else torch.float32)
     return float(torch.finfo(dtype).max)
+
+
+def _max_magnitude(tensors) -> float:
+    """The largest |value| over ``tensors`` (0.0 for none; NaN/inf when one holds it): one fused max-magnitude pass
+    per device and dtype, one host sync."""
+    groups = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    worst = 0.0
+    for ts in groups.values():
+        m = float(torch.stack([n.float() for n in torch._foreach_norm(ts, float("inf"))]).max())
+        worst = m if not (m <= worst) else worst  # NaN wins
+    return worst
+
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_MARGIN = 2.0  # headroom for the rounding of the optimizer's own arithmetic and of the bounds'
+
+
+class WeightRangeGuard:
+    """Whether the next step of megatron optimizer ``optimizer`` keeps every weight it updates on this rank within
+    ``[-limit, limit]``, decided from bounds in O(param groups) Python arithmetic on almost every step.
+
+    For each torch optimizer behind it the guard keeps ``P``, a bound on this rank's largest |weight|, and ``X``:
+    for Adam a bound ``K`` on ``|m| / sqrt(v)`` over the elements (first over second moment), for SGD a bound ``M`` on
+    the largest |momentum buffer|. With ``G`` a bound on the largest |gradient| (the step's gradient norm, measured
+    when there is none) and each group's ``lr``, ``weight_decay`` (wd), betas / momentum, one step moves them at most
+    to, whatever the gradients hold:
+
+    * Adam / AdamW (torch, Transformer Engine, Apex; decoupled or L2 weight decay, amsgrad): by Cauchy-Schwarz on
+      ``m' = b1 m + (1 - b1) g``, ``v' = b2 v + (1 - b2) g^2``: ``K'^2 = b1^2 K^2 / b2 + (1 - b1)^2 / (1 - b2)``, so
+      the bias-corrected ``m / (sqrt(v) + eps)`` is at most ``R = K' / (1 - b1)`` and
+      ``P' = P max(1, |1 - lr wd|) + lr R`` (L2 decay only changes the gradient, which ``K'`` does not depend on);
+      ``G`` enters through ``(1 - b2) (G + wd P)^2``, which must stay within fp32 (``v``).
+    * SGD: ``M' = mu M + |1 - dampening| (G + wd P)``, ``P' = P + lr (M' + G + wd P)``.
+
+    When ``P'`` and the intermediates stay within the limits by a margin, the bounds move on and nothing is read.
+    Otherwise ``P`` and ``X`` are measured (one fused pass over the weights and the state) and, if the bound still
+    does not hold, the update is tried exactly (:func:`update_keeps_weights_within`). An optimizer of another kind
+    is always tried exactly. The first call measures (the trainer loads a checkpoint before it); :meth:`reset`
+    forgets the bounds when weights or state are replaced outside the optimizer's step."""
+
+    def __init__(self, optimizer, limit: float):
+        self.optimizer, self.limit = optimizer, limit
+        self.bounds = None  # per torch optimizer: [P, X]
+        self.measured = self.tried = 0  # how often the fallbacks ran
+
+    def reset(self) -> None:
+        self.bounds = None
+
+    def _inners(self) -> list:
+        return [getattr(part, "optimizer", None) for part in optimizer_parts(self.optimizer)
+                if getattr(part, "optimizer", None) is not None and not getattr(part, "is_stub_optimizer", False)]
+
+    @staticmethod
+    def _kind(inner) -> str:
+        groups = inner.param_groups
+        if groups and all("betas" in g and "eps" in g for g in groups):
+            return "adam"
+        if isinstance(inner, torch.optim.SGD):
+            return "sgd"
+        return ""
+
+    @staticmethod
+    def _moment_ratio(inner, params) -> float:
+        """max over elements of ``|m| / sqrt(v)`` (amsgrad: its running max of ``v``), 0 where both are 0, inf where
+        only ``v`` is; 0.0 before the first step (no state)."""
+        worst = 0.0
+        for p in params:
+            st = inner.state.get(p, {})
+            m, v = st.get("exp_avg"), st.get("max_exp_avg_sq", st.get("exp_avg_sq"))
+            if not (torch.is_tensor(m) and torch.is_tensor(v)) or not m.numel():
+                continue
+            r = m.float().abs() / v.float().sqrt()
+            r = torch.where(m == 0, torch.zeros_like(r), r)
+            largest = float(r.max())
+            worst = largest if not (largest <= worst) else worst  # NaN wins
+        return worst
+
+    def _measure(self) -> None:
+        self.measured += 1
+        self.bounds = []
+        for inner in self._inners():
+            params = [p for g in inner.param_groups for p in g["params"]]
+            if self._kind(inner) == "adam":
+                x = self._moment_ratio(inner, params)
+            else:
+                x = _max_magnitude([inner.state[p].get("momentum_buffer") for p in params if p in inner.state
+                                    and torch.is_tensor(inner.state[p].get("momentum_buffer"))])
+            self.bounds.append([_max_magnitude(params), x])
+
+    def _next(self, grad_bound: float):
+        """The bounds after the step ([P', X'] per torch optimizer), or None when they do not prove it safe."""
+        out = []
+        for inner, (p_max, x) in zip(self._inners(), self.bounds):
+            kind = self._kind(inner)
+            if not kind:
+                return None
+            p_next, x_next = p_max, x
+            for g in inner.param_groups:
+                if not g["params"]:
+                    continue
+                lr, wd = float(g["lr"]), float(g.get("weight_decay", 0.0))
+                grad = grad_bound + wd * p_max
+                if kind == "adam":
+                    b1, b2 = float(g["betas"][0]), float(g["betas"][1])
+                    if not (0 <= b1 < 1 and 0 < b2 < 1):
+                        return None
+                    k = math.sqrt(b1 * b1 * x * x / b2 + (1 - b1) ** 2 / (1 - b2))
+                    p = p_max * max(1.0, abs(1 - lr * wd)) + lr * k / (1 - b1)
+                    widest, x_new = (1 - b2) * grad * grad, k
+                else:
+                    x_new = float(g["momentum"]) * x + abs(1 - float(g.get("dampening", 0.0))) * grad
+                    p = p_max + lr * (x_new + grad)
+                    widest = x_new + grad
+                if not (widest * _MARGIN <= _FP32_MAX and p * _MARGIN <= self.limit):  # NaN fails too
+                    return None
+                p_next, x_next = max(p_next, p), max(x_next, x_new)
+            out.append([p_next, x_next])
+        return out
+
+    @torch.no_grad()
+    def keeps_within(self, grad_norm=None) -> bool:
+        """Whether the coming ``step()`` keeps every weight on this rank within the limit (nothing is changed).
+        ``grad_norm``: the step's gradient norm (it bounds every |gradient|); measured when None or not finite."""
+        inners = self._inners()
+        if self.bounds is None or len(self.bounds) != len(inners):
+            self._measure()
+
+        def grad_bound():
+            if grad_norm is not None and math.isfinite(float(grad_norm)):
+                return float(grad_norm)
+            return _max_magnitude([p.grad for inner in inners for g in inner.param_groups for p in g["params"]])
+
+        g_max = grad_bound()
+        nxt = self._next(g_max)
+        if nxt is None:
+            self._measure()
+            nxt = self._next(g_max)
+        if nxt is not None:
+            self.bounds = nxt
+            return True
+        self.tried += 1
+        ok = update_keeps_weights_within(self.optimizer, self.limit)
+        self.bounds = None  # the step may run: measure again next time
+        return ok
