@@ -126,6 +126,7 @@ def _checked_rows(batch: dict, config) -> dict:
     counted (a text corpus holding literal ``<|image|>`` strings must not teach the model to emit or follow
     placeholders without images); packed rows report the documents they skipped (``skipped_documents``, an
     unreadable image), counted. The totals are printed when they grow (at most once per ``--log-interval``)."""
+    import torch
     from megatron.training import get_args
 
     from megatron_glm5.data import DataError
