@@ -203,6 +203,7 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
     from megatron_glm5.training.checkpoint_checks import (
         CheckpointDirError,
         check_architecture,
+        check_checkpoint_folder,
         check_resume_layout,
         checkpoint_in,
     )
@@ -217,6 +218,7 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
             if ckpt is None and flag == "pretrained_checkpoint":
                 raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt)")
             if ckpt is not None:
+                check_checkpoint_folder(ckpt)
                 check_architecture(ckpt, hf)
                 if flag == "load":
                     check_resume_layout(ckpt, args)

@@ -61,6 +61,7 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_glm5.checkpoint.errors import CheckpointError
     from megatron_glm5.training import flops, megatron_hooks
     from megatron_glm5.training.arguments import parse_args
 
@@ -92,6 +93,12 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
         pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
     except megatron_hooks.TrainingStopped as e:
         print(f"{prog}: error: {e}{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
+        return 1
+    except CheckpointError as e:  # a checkpoint --load / --pretrained-checkpoint cannot use (checkpoint_checks)
+        if os.environ.get("MEGATRON_GLM5_TRACEBACK") == "1":
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted{_last_checkpoint(args.save)}", file=sys.stderr, flush=True)
