@@ -120,6 +120,24 @@ def load_dcp_metadata(path: str):
     return md
 
 
+def check_storage_extents(md, ckpt_dir: str) -> None:
+    """Every item the DCP metadata ``md`` places in a storage file of ``ckpt_dir`` lies within that file: a
+    truncated ``.distcp`` is one CheckpointError line naming it (torch would fail mid-load with a bare EOFError)."""
+    ends = {}
+    for info in (md.storage_data or {}).values():
+        end = int(getattr(info, "offset", 0) or 0) + int(getattr(info, "length", 0) or 0)
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+    for rel, end in sorted(ends.items()):
+        path = os.path.join(ckpt_dir, rel)
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: named by {os.path.join(ckpt_dir, DCP_METADATA_FILE)} but unreadable "
+                                  f"({e.strerror or e})") from None
+        if size < end:
+            raise CheckpointError(f"{path}: truncated ({size} bytes; the checkpoint's items reach byte {end})")
+
+
 def check_inside(root: str, rel: str, source: str, also_inside: Optional[str] = None) -> str:
     """The real path of ``rel`` if it is a relative path that stays inside ``root`` (symlinks resolved; a link may
     also point into ``also_inside``); otherwise CheckpointError naming ``source`` (the file that named ``rel``)."""

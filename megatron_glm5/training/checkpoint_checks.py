@@ -177,7 +177,7 @@ def verify_checkpoint_files(ckpt_dir: str) -> None:
     import torch.distributed as dist
 
     from megatron_glm5.checkpoint.checksums import verify_manifest
-    from megatron_glm5.checkpoint.safe_load import load_dcp_metadata
+    from megatron_glm5.checkpoint.safe_load import check_storage_extents, load_dcp_metadata
 
     key = os.path.realpath(ckpt_dir)
     if key not in _VERIFIED:
@@ -187,7 +187,8 @@ def verify_checkpoint_files(ckpt_dir: str) -> None:
             try:
                 check_checkpoint_folder(ckpt_dir)
                 verify_manifest(ckpt_dir)
-                load_dcp_metadata(ckpt_dir)  # what megatron-core reads first, with its one-line refusals
+                # what megatron-core reads first, with its one-line refusals; items past a file's end
+                check_storage_extents(load_dcp_metadata(ckpt_dir), ckpt_dir)
             except CheckpointError as e:
                 problem = str(e)
         if many:
