@@ -95,9 +95,9 @@ def _craft_metadata(ckpt, marker) -> None:
     _regenerate_manifests(ckpt)
 
 
-def _craft_byte_item(ckpt, prefix: str, marker) -> None:
+def _craft_byte_item(ckpt, prefix: str, marker) -> str:
     """Replace the byte item whose key starts with ``prefix`` by ``torch.save`` bytes of a pickle that runs code
-    (appended to its ``.distcp``; ``.metadata`` points at them)."""
+    (appended to its ``.distcp``; ``.metadata`` points at them); returns '<.distcp path> (item <key>'."""
     md = _metadata(ckpt)
     index = next(i for i in md.storage_data if i.fqn.startswith(prefix))
     info = md.storage_data[index]
@@ -109,6 +109,7 @@ def _craft_byte_item(ckpt, prefix: str, marker) -> None:
         fh.write(buf.getvalue())
     _write_metadata(ckpt, md)
     _regenerate_manifests(ckpt)
+    return f"{path} (item {index.fqn}"
 
 
 # --------------------------------------------------------------------------------------------- fixtures
@@ -157,9 +158,9 @@ def test_crafted_checkpoint_runs_no_code(saved, converted, copy_of, tmp_path, fl
     marker = tmp_path / "attacker_ran"
     if what == "metadata":
         _craft_metadata(ckpt, marker)
+        needle = str(ckpt / ".metadata")
     else:
-        _craft_byte_item(ckpt, what, marker)
-    needle = str(ckpt / ".metadata") if what == "metadata" else f"{ckpt / '__0_0.distcp'} (item {what}"
+        needle = _craft_byte_item(ckpt, what, marker)
     line = _refused(TRAIN + [flag, str(root)], root, 1, needle, "refused to load", "exec")
     assert "crafted to run code" in line
     assert not marker.exists()
