@@ -165,6 +165,23 @@ def read_integrity_manifest(directory: str) -> Optional[Dict[str, str]]:
     return out
 
 
+def write_integrity_manifest(directory: str) -> str:
+    """Write megatron-core's ``integrity.json`` for ``directory`` (every regular file in it but the manifest), as
+    ``megatron.core.dist_checkpointing.validation.save_integrity_manifest`` does, with the files hashed in parallel
+    threads and the manifest published atomically (a kill leaves none or the whole one). Returns its path."""
+    import json
+
+    from megatron_glm5.checkpoint.atomic import write_text_atomic
+
+    names = sorted(n for n in os.listdir(directory)
+                   if n != INTEGRITY_FILE and os.path.isfile(os.path.join(directory, n)))
+    digests = hash_files(os.path.join(directory, n) for n in names)
+    files = {n: digests[os.path.join(directory, n)] for n in names}
+    path = os.path.join(directory, INTEGRITY_FILE)
+    write_text_atomic(path, json.dumps({"algorithm": "sha256", "files": files}, indent=2))
+    return path
+
+
 def verify_manifest(directory: str, required: bool = False) -> bool:
     """Re-hash every file the manifest (``checksums.sha256`` and / or megatron-core's ``integrity.json``) lists
     (threads). Returns False when there is none (True when all match); raises ChecksumError for a mismatch, a missing

@@ -218,8 +218,8 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
             if ckpt is None and flag == "pretrained_checkpoint":
                 raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt)")
             if ckpt is not None:
-                check_checkpoint_folder(ckpt)
                 check_architecture(ckpt, hf)
+                check_checkpoint_folder(ckpt)
                 if flag == "load":
                     check_resume_layout(ckpt, args)
         except CheckpointDirError as e:

@@ -220,23 +220,28 @@ def check_tensors_match(sharded_state_dict, ckpt_dir: str) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
-    wanted = set()
+    wanted, problem = set(), None
     other = "it is a checkpoint of another architecture or layer count than this run's model"
     for sh in nested_values(sharded_state_dict):
         if not isinstance(sh, (ShardedTensor, ShardedTensorFactory)) or not _weight_key(sh.key):
             continue  # byte items (_extra_state) are keyed by their sharding, which may change with the layout
         wanted.add(sh.key)
         stored = md.get(sh.key)
+        if problem is not None:
+            continue
         if stored is None:
-            raise CheckpointDirError(f"{ckpt_dir} has no {sh.key}, which this model has: {other}")
-        if (isinstance(sh, ShardedTensor) and isinstance(stored, TensorStorageMetadata) and not sh.allow_shape_mismatch
-                and tuple(stored.size) != tuple(sh.global_shape)):
-            raise CheckpointDirError(f"{ckpt_dir}: {sh.key} has shape {tuple(stored.size)} there, "
-                                     f"{tuple(sh.global_shape)} in this model: {other}")
-    if dist.is_initialized() and dist.get_world_size() > 1:
+            problem = f"{ckpt_dir} has no {sh.key}, which this model has: {other}"
+        elif (isinstance(sh, ShardedTensor) and isinstance(stored, TensorStorageMetadata)
+              and not sh.allow_shape_mismatch and tuple(stored.size) != tuple(sh.global_shape)):
+            problem = (f"{ckpt_dir}: {sh.key} has shape {tuple(stored.size)} there, {tuple(sh.global_shape)} in this "
+                       f"model: {other}")
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank learns every rank's verdict: no rank hangs
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, sorted(wanted))
-        wanted = set().union(*everyone)
+        dist.all_gather_object(everyone, (problem, sorted(wanted)))
+        problem = next((p for p, _ in everyone if p is not None), None)
+        wanted = set().union(*(set(w) for _, w in everyone))
+    if problem is not None:
+        raise CheckpointDirError(problem)
     extra = sorted(k for k, v in md.items() if isinstance(v, TensorStorageMetadata) and _weight_key(k)
                    and k not in wanted)
     if extra:

@@ -158,14 +158,16 @@ class _Glm5DistCheckpointing:
         return out
 
     def load_common_state_dict(self, checkpoint_dir, *args, **kwargs):
-        from megatron.training import get_args
+        from megatron.training import global_vars
 
         from megatron_glm5.training.checkpoint_checks import check_resume_state, verify_checkpoint_files
 
         verify_checkpoint_files(str(checkpoint_dir))
         state = _load_or_one_line(checkpoint_dir, self._module.load_common_state_dict, checkpoint_dir, *args,
                                   **kwargs)
-        check_resume_state(str(checkpoint_dir), state, get_args())
+        run = getattr(global_vars, "_GLOBAL_ARGS", None)  # None while Megatron-LM reads --use-checkpoint-args
+        if run is not None:
+            check_resume_state(str(checkpoint_dir), state, run)
         return state
 
     def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
@@ -269,7 +271,12 @@ def install() -> None:
     from megatron.training import checkpointing
 
     if not isinstance(checkpointing.dist_checkpointing, _Glm5DistCheckpointing):
+        from megatron.core.dist_checkpointing import serialization
+
+        from megatron_glm5.checkpoint.checksums import write_integrity_manifest
+
         checkpointing.dist_checkpointing = _Glm5DistCheckpointing(checkpointing.dist_checkpointing)
+        serialization.save_integrity_manifest = write_integrity_manifest  # threads, atomic; megatron-core's format
         _INSTALLED.append("checkpoints: hf_config.json, parallel_layout.json and megatron-core's integrity.json in "
                           "every save; loads verified against them and the model; .metadata and byte items "
                           "unpickled without code")
