@@ -247,3 +247,43 @@ def check_tensors_match(sharded_state_dict, ckpt_dir: str) -> None:
     if extra:
         raise CheckpointDirError(f"{ckpt_dir} holds {extra[0]}{f' (+{len(extra) - 1} more)' if len(extra) > 1 else ''}"
                                  f", which this model does not have: {other}")
+
+
+# megatron-core's OptimizerParamScheduler names of the schedule values it compares on resume -> the flags behind them
+_SCHEDULE_FLAGS = {
+    "learning rate": "--lr", "minimum learning rate": "--min-lr",
+    "warmup iterations": "--lr-warmup-iters / --lr-warmup-samples / --lr-warmup-fraction",
+    "total number of iterations": "--lr-decay-iters / --lr-decay-samples / --train-iters",
+    "learning rate decay style": "--lr-decay-style", "start weight decay": "--start-weight-decay / --weight-decay",
+    "end weight decay": "--end-weight-decay / --weight-decay",
+    "total number of weight decay iterations": "--train-iters / --train-samples",
+    "weight decay incr style": "--weight-decay-incr-style",
+}
+
+
+def install_schedule_check() -> bool:
+    """megatron-core's ``OptimizerParamScheduler._check_and_set`` asserts (a traceback) when a resumed run's learning
+    rate schedule differs from the checkpoint's; it raises one :class:`CheckpointDirError` line instead, naming the
+    value, the flags behind it and the two ways to resume (Megatron-LM's --use-checkpoint-opt_param-scheduler /
+    --override-opt_param-scheduler). Idempotent; returns whether it installed it now."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    upstream = OptimizerParamScheduler._check_and_set
+    if getattr(upstream, "glm5_hook", False):
+        return False
+
+    def _check_and_set(self, cls_value, sd_value, name):
+        if self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler or cls_value == sd_value:
+            return upstream(self, cls_value, sd_value, name)
+        from megatron.training import global_vars
+
+        run = getattr(global_vars, "_GLOBAL_ARGS", None)
+        where = f"--load {run.load}" if run is not None and run.load else "the checkpoint"
+        raise CheckpointDirError(
+            f"{where}: its learning-rate schedule has {name} {sd_value}, this run's is {cls_value} "
+            f"({_SCHEDULE_FLAGS.get(name, name)} changed since the save): keep the checkpoint's schedule with "
+            "--use-checkpoint-opt_param-scheduler, or this run's with --override-opt_param-scheduler")
+
+    _check_and_set.glm5_hook = True
+    OptimizerParamScheduler._check_and_set = _check_and_set
+    return True

@@ -280,6 +280,10 @@ def install() -> None:
         _INSTALLED.append("checkpoints: hf_config.json, parallel_layout.json and megatron-core's integrity.json in "
                           "every save; loads verified against them and the model; .metadata and byte items "
                           "unpickled without code")
+    from megatron_glm5.training.checkpoint_checks import install_schedule_check
+
+    if install_schedule_check():
+        _INSTALLED.append("resume: a learning-rate schedule unlike the checkpoint's is one line naming the flags")
     if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
         training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
         _INSTALLED.append("optimizer: non-finite steps skipped and counted; fp32 islands in their own param groups "
