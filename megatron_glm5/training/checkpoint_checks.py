@@ -158,7 +158,8 @@ def check_checkpoint_folder(ckpt_dir: str) -> None:
     config = os.path.join(ckpt_dir, "metadata.json")
     if not os.path.isfile(config) or not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
         raise CheckpointDirError(f"{ckpt_dir}: not a megatron-core torch_dist checkpoint (no metadata.json and "
-                                 ".metadata); this trainer reads only torch_dist checkpoints")
+                                 ".metadata); this trainer reads only torch_dist checkpoints (Megatron-LM's default "
+                                 "--ckpt-format)")
     backend = _json_object(config).get("sharded_backend")
     if backend != "torch_dist":
         raise CheckpointDirError(f"{config}: sharded_backend is {backend!r}; this trainer reads only torch_dist "
