@@ -393,3 +393,32 @@ def test_resume_with_another_schedule_is_one_line(saved):
     assert "--train-iters" in args and args[args.index("--train-iters") + 1] == "5"
     _refused(args, saved, 1, f"--load {saved}", "--train-iters", "--override-opt_param-scheduler",
              "--use-checkpoint-opt_param-scheduler")
+
+
+@pytest.mark.parametrize("name, content", [
+    ("hf_config.json", "[" * 100_000), ("metadata.json", "[1, 2]"), ("parallel_layout.json", "\"x\""),
+    ("integrity.json", "{\"files\": {\"../x\": \"00\"}}"), ("integrity.json", "\xff"),
+    ("metadata.json", "{\"sharded_backend\": \"zarr\"}"),
+])
+def test_checkpoint_json_files_of_any_content_are_one_line(saved, copy_of, name, content):
+    """The JSON files the checks read (hf_config.json, metadata.json, parallel_layout.json, integrity.json), of
+    any content: one CheckpointError line naming the file."""
+    from megatron_glm5.checkpoint.checksums import verify_manifest
+    from megatron_glm5.checkpoint.errors import CheckpointError
+    from megatron_glm5.config import tiny_hf_config
+    from megatron_glm5.training.checkpoint_checks import (
+        check_architecture,
+        check_checkpoint_folder,
+        check_resume_layout,
+    )
+
+    root = copy_of(saved)
+    ckpt = root / "iter_0000002"
+    (ckpt / name).write_bytes(b"\xff" if content == "\xff" else content.encode())
+
+    with pytest.raises(CheckpointError) as info:
+        check_architecture(str(ckpt), tiny_hf_config(mtp=True))
+        check_checkpoint_folder(str(ckpt))
+        check_resume_layout(str(ckpt), _run_args())
+        verify_manifest(str(ckpt))
+    assert str(ckpt / name) in str(info.value) and "\n" not in str(info.value), str(info.value)

@@ -45,8 +45,8 @@ def _json_object(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
             obj = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointDirError(f"{path}: unreadable ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        raise CheckpointDirError(f"{path}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     if not isinstance(obj, dict):
         raise CheckpointDirError(f"{path}: not a JSON object")
     return obj
