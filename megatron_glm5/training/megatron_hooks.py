@@ -111,12 +111,12 @@ def _compile_helpers_unless_shipped(upstream):
 class _Glm5DistCheckpointing:
     """``megatron.core.dist_checkpointing`` as Megatron-LM's checkpointing sees it.
 
-    ``save`` writes the run's architecture (``hf_config.json``, what the exporter and the ``--load`` check read) and
-    parallel layout (``parallel_layout.json``) into the checkpoint folder first, then has megatron-core save with
-    its integrity manifest (``integrity.json``, as ``--verify-integrity`` does: written by its finalize step once the
-    files are complete, sync or async, before Megatron-LM moves the tracker). Under ``--test-kill-during-save N`` the
-    save of iteration N writes its files, then the process is killed (SIGKILL) before Megatron-LM finalises the
-    checkpoint and moves its tracker.
+    ``save`` has megatron-core save with its integrity manifest (as ``--verify-integrity`` does); its finalize step
+    (:meth:`save_integrity_manifest`, once the files are complete, sync or async, before Megatron-LM moves the
+    tracker) writes the run's architecture (``hf_config.json``, what the exporter and the ``--load`` check read) and
+    parallel layout (``parallel_layout.json``) into the checkpoint folder, then ``integrity.json`` over every file.
+    Under ``--test-kill-during-save N`` the save of iteration N writes its files, then the process is killed
+    (SIGKILL) before Megatron-LM moves its tracker.
 
     ``load_common_state_dict`` / ``load`` first verify the checkpoint's files against its manifest and the folder
     (:func:`~megatron_glm5.training.checkpoint_checks.verify_checkpoint_files`), the saved run's arguments against
@@ -127,35 +127,46 @@ class _Glm5DistCheckpointing:
 
     def __init__(self, module, kill_at: Optional[int] = None):
         self._module, self.kill_at = module, kill_at
+        self._records: dict = {}  # checkpoint folder -> {file name: JSON record} written by its integrity step
 
     def __getattr__(self, name):
         return getattr(self._module, name)
 
     def save(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        import json
         import os
         import signal
 
-        import torch.distributed as dist
         from megatron.training import get_args
 
         from megatron_glm5.checkpoint.hf_to_mcore import HF_CONFIG_FNAME
         from megatron_glm5.training.checkpoint_checks import LAYOUT_FNAME, layout_record
 
         run = get_args()
-        if (not dist.is_initialized() or dist.get_rank() == 0) and getattr(run, "hf_config_dict", None):
-            os.makedirs(checkpoint_dir, exist_ok=True)
-            for name, record in ((HF_CONFIG_FNAME, run.hf_config_dict), (LAYOUT_FNAME, layout_record(run))):
-                tmp = os.path.join(checkpoint_dir, name + ".tmp")
-                with open(tmp, "w", encoding="utf-8") as fh:
-                    json.dump(record, fh, indent=2)
-                os.replace(tmp, os.path.join(checkpoint_dir, name))
+        if getattr(run, "hf_config_dict", None):
+            self._records[os.path.abspath(checkpoint_dir)] = {HF_CONFIG_FNAME: run.hf_config_dict,
+                                                              LAYOUT_FNAME: layout_record(run)}
         if "verify_integrity" in kwargs:
             kwargs["verify_integrity"] = True
         out = self._module.save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         if self.kill_at is not None and self.kill_at in (run.curr_iteration + 1, run.iteration):
             os.kill(os.getpid(), signal.SIGKILL)
         return out
+
+    def save_integrity_manifest(self, checkpoint_dir) -> None:
+        """megatron-core's integrity finalize step (rank 0, once the checkpoint's files are complete, before the
+        tracker moves): this save's ``hf_config.json`` and ``parallel_layout.json``, then ``integrity.json`` over
+        every file (:func:`megatron_glm5.checkpoint.checksums.write_integrity_manifest`)."""
+        import json
+        import os
+
+        from megatron_glm5.checkpoint.checksums import write_integrity_manifest
+
+        for name, record in self._records.pop(os.path.abspath(checkpoint_dir), {}).items():
+            tmp = os.path.join(checkpoint_dir, name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(record, fh, indent=2)
+            os.replace(tmp, os.path.join(checkpoint_dir, name))
+        write_integrity_manifest(str(checkpoint_dir))
 
     def load_common_state_dict(self, checkpoint_dir, *args, **kwargs):
         from megatron.training import global_vars
@@ -273,10 +284,8 @@ def install() -> None:
     if not isinstance(checkpointing.dist_checkpointing, _Glm5DistCheckpointing):
         from megatron.core.dist_checkpointing import serialization
 
-        from megatron_glm5.checkpoint.checksums import write_integrity_manifest
-
         checkpointing.dist_checkpointing = _Glm5DistCheckpointing(checkpointing.dist_checkpointing)
-        serialization.save_integrity_manifest = write_integrity_manifest  # threads, atomic; megatron-core's format
+        serialization.save_integrity_manifest = checkpointing.dist_checkpointing.save_integrity_manifest
         _INSTALLED.append("checkpoints: hf_config.json, parallel_layout.json and megatron-core's integrity.json in "
                           "every save; loads verified against them and the model; .metadata and byte items "
                           "unpickled without code")
