@@ -195,10 +195,10 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def check_dist_checkpoint(path: str):
-    """Vet a torch_dist checkpoint directory before megatron-core's ``dist_checkpointing.load`` (which unpickles
-    ``.metadata`` with plain pickle): its ``checksums.sha256`` matches when there is one, and ``.metadata`` holds only
-    DCP metadata classes with storage files inside the directory. Returns the Metadata; raises one CheckpointError
-    line otherwise."""
+    """Vet a torch_dist checkpoint directory before megatron-core's ``dist_checkpointing.load`` reads it: its
+    manifest (``checksums.sha256`` / ``integrity.json``) matches when there is one, and ``.metadata`` holds only DCP
+    metadata classes with storage files inside the directory. Returns the Metadata; raises one CheckpointError line
+    otherwise. (megatron-core's own reads unpickle safely once :func:`install_dcp_read_guards` ran.)"""
     from megatron_glm5.checkpoint.checksums import verify_manifest
 
     verify_manifest(path)
