@@ -422,3 +422,37 @@ def test_checkpoint_json_files_of_any_content_are_one_line(saved, copy_of, name,
         check_resume_layout(str(ckpt), _run_args())
         verify_manifest(str(ckpt))
     assert str(ckpt / name) in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_torch_dcp_reads_run_code_upstream_and_not_guarded(tmp_path):
+    """torch DCP's own FileSystemReader.read_metadata (pickle.load) and DefaultLoadPlanner.load_bytes
+    (torch.load(weights_only=False)), which megatron-core's torch_dist load uses, run a crafted pickle; the guards
+    installed by install_patches refuse it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron_glm5.checkpoint.safe_load import UnsafeCheckpointError
+
+    marker = tmp_path / "ran"
+    _craft_metadata(tmp_path, marker)
+    reader = FileSystemReader(str(tmp_path))
+    with pytest.raises(UnsafeCheckpointError, match="builtins.exec"):
+        reader.read_metadata()
+    assert not marker.exists()
+    with pytest.raises(Exception):  # noqa: B017 - the payload returns None, not Metadata: torch fails after running it
+        FileSystemReader.read_metadata.upstream(reader)
+    assert marker.exists()
+    marker.unlink()
+
+    buf = io.BytesIO()
+    torch.save({"state": _RunsCode(marker)}, buf)
+    planner = DefaultLoadPlanner(flatten_state_dict=False)
+    planner.state_dict, planner.metadata = {}, SimpleNamespace(storage_data={})
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="rng_state"), storage_index=None)
+    with pytest.raises(UnsafeCheckpointError, match="item rng_state"):
+        planner.load_bytes(item, io.BytesIO(buf.getvalue()))
+    assert not marker.exists() and planner.state_dict == {}
+    DefaultLoadPlanner.load_bytes.upstream(planner, item, io.BytesIO(buf.getvalue()))
+    assert marker.exists()

@@ -262,6 +262,8 @@ def install_dcp_read_guards() -> bool:
             self.state_dict[read_item.dest_index.fqn] = obj
 
     read_metadata.glm5_guard = load_bytes.glm5_guard = True
+    read_metadata.upstream = filesystem.FileSystemReader.read_metadata  # torch's (tests show what they would run)
+    load_bytes.upstream = default_planner.DefaultLoadPlanner.load_bytes
     filesystem.FileSystemReader.read_metadata = read_metadata
     default_planner.DefaultLoadPlanner.load_bytes = load_bytes
     try:
