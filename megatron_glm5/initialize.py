@@ -19,10 +19,13 @@ def _free_port() -> int:
 def install_patches() -> None:
     """This project's changes to megatron-core, installed by every entry point (idempotent): the fixes of
     :mod:`megatron_glm5.mcore_fixes` for the versions that need them, and the MoE token permutation of
-    :mod:`megatron_glm5.models.token_permutation` in megatron-core's dispatchers."""
+    :mod:`megatron_glm5.models.token_permutation` in megatron-core's dispatchers, and checkpoint reads that run no
+    code from the checkpoint (:func:`megatron_glm5.checkpoint.safe_load.install_dcp_read_guards`)."""
+    from megatron_glm5.checkpoint.safe_load import install_dcp_read_guards
     from megatron_glm5.mcore_fixes import apply_mcore_fixes
     from megatron_glm5.models import token_permutation
 
+    install_dcp_read_guards()
     apply_mcore_fixes()
     token_permutation.install()
 

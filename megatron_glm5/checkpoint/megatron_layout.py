@@ -55,23 +55,26 @@ def folder_name(tracker_text: str) -> Optional[str]:
 
 def read_tracker(root: str) -> Optional[str]:
     """The folder name ``root``'s tracker names, None when ``root`` has no tracker; raises
-    :class:`CheckpointDirError` for a tracker that is not a small regular file holding ``release`` or a number."""
+    :class:`CheckpointDirError` (one line) for a tracker that is not a small regular file (not a symbolic link, a
+    directory, a FIFO) holding ASCII ``release`` or a decimal iteration with optional whitespace around it: exactly the
+    texts Megatron-LM's own reader (``int(text.strip())``, any ASCII-compatible locale) reads the same way."""
     tracker = os.path.join(root, TRACKER_FILE)
     if not os.path.lexists(tracker):
         return None
-    if not os.path.isfile(tracker):  # a FIFO would block, a directory / dangling link is no tracker
+    if os.path.islink(tracker) or not os.path.isfile(tracker):  # a FIFO would block; a link may point anywhere
         raise CheckpointDirError(f"{tracker}: not a regular file")
     try:
         with open(tracker, "rb") as fh:
             data = fh.read(_MAX_TRACKER_BYTES + 1)
-        text = data.decode("utf-8")
     except OSError as e:
         raise CheckpointDirError(f"{tracker}: unreadable ({one_line(e)})") from None
-    except UnicodeDecodeError:
-        text = None
-    name = None if text is None or len(data) > _MAX_TRACKER_BYTES else folder_name(text)
+    if len(data) > _MAX_TRACKER_BYTES:
+        raise CheckpointDirError(f"{tracker}: expected an iteration number or 'release', got more than "
+                                 f"{_MAX_TRACKER_BYTES} bytes")
+    text = data.decode("ascii") if data.isascii() else None
+    name = None if text is None else folder_name(text)
     if name is None:
-        shown = repr(text.strip()[:40]) if text is not None and len(data) <= _MAX_TRACKER_BYTES else "other data"
+        shown = repr(text.strip()[:40]) if text is not None else "bytes that are not ASCII text"
         raise CheckpointDirError(f"{tracker}: expected an iteration number or 'release', got {shown}")
     return name
 

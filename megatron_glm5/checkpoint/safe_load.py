@@ -6,9 +6,20 @@ an unpickler that admits only the classes DCP metadata is made of (the ``torch.d
 and planner dataclasses, ``torch.Size``, dtypes, layouts, memory formats, ``pathlib`` paths) and refuses anything
 else with one line, then checks that every storage file the index names is a plain file name inside the
 checkpoint directory. Tensor files are read with ``torch.load(weights_only=True)`` (:func:`torch_load_weights_only`).
+A DCP checkpoint's byte items (megatron-core's ``ShardedObject``s: the common state with ``args``, optimizer and
+scheduler state, the RNG state, every layer's ``_extra_state``) are ``torch.save`` bytes, which torch DCP's
+``DefaultLoadPlanner.load_bytes`` loads with ``weights_only=False``; :func:`load_byte_item` loads them through
+torch's weights-only unpickler instead (tensors, containers, and the classes megatron-core registers as safe in
+``megatron.core.safe_globals``: ``argparse.Namespace``, numpy arrays, its enums and ``RerunState``).
+
+:func:`install_dcp_read_guards` makes every torch DCP read in the process go through these (megatron-core's
+``torch_dist`` load, its cached-metadata reader, the legacy ``common.pt``): ``FileSystemReader.read_metadata``
+unpickles the bytes it read once with the restricted unpickler, and ``DefaultLoadPlanner.load_bytes`` (which
+megatron-core's ``MCoreLoadPlanner`` inherits) parses the bytes the reader handed it; nothing is opened twice.
 
     md = load_dcp_metadata(ckpt_dir)              # raises UnsafeCheckpointError / CheckpointError, one line
     reader = SafeFileSystemReader(ckpt_dir)       # a torch DCP FileSystemReader reading .metadata this way
+    install_dcp_read_guards()                     # every DCP read of this process, megatron-core's included
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from typing import Optional
 
 import torch
@@ -108,6 +120,24 @@ def load_dcp_metadata(path: str):
     return md
 
 
+def check_storage_extents(md, ckpt_dir: str) -> None:
+    """Every item the DCP metadata ``md`` places in a storage file of ``ckpt_dir`` lies within that file: a
+    truncated ``.distcp`` is one CheckpointError line naming it (torch would fail mid-load with a bare EOFError)."""
+    ends = {}
+    for info in (md.storage_data or {}).values():
+        end = int(getattr(info, "offset", 0) or 0) + int(getattr(info, "length", 0) or 0)
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+    for rel, end in sorted(ends.items()):
+        path = os.path.join(ckpt_dir, rel)
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: named by {os.path.join(ckpt_dir, DCP_METADATA_FILE)} but unreadable "
+                                  f"({e.strerror or e})") from None
+        if size < end:
+            raise CheckpointError(f"{path}: truncated ({size} bytes; the checkpoint's items reach byte {end})")
+
+
 def check_inside(root: str, rel: str, source: str, also_inside: Optional[str] = None) -> str:
     """The real path of ``rel`` if it is a relative path that stays inside ``root`` (symlinks resolved; a link may
     also point into ``also_inside``); otherwise CheckpointError naming ``source`` (the file that named ``rel``)."""
@@ -165,11 +195,85 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def check_dist_checkpoint(path: str):
-    """Vet a torch_dist checkpoint directory before megatron-core's ``dist_checkpointing.load`` (which unpickles
-    ``.metadata`` with plain pickle): its ``checksums.sha256`` matches when there is one, and ``.metadata`` holds only
-    DCP metadata classes with storage files inside the directory. Returns the Metadata; raises one CheckpointError
-    line otherwise."""
+    """Vet a torch_dist checkpoint directory before megatron-core's ``dist_checkpointing.load`` reads it: its
+    manifest (``checksums.sha256`` / ``integrity.json``) matches when there is one, and ``.metadata`` holds only DCP
+    metadata classes with storage files inside the directory. Returns the Metadata; raises one CheckpointError line
+    otherwise. (megatron-core's own reads unpickle safely once :func:`install_dcp_read_guards` ran.)"""
     from megatron_glm5.checkpoint.checksums import verify_manifest
 
     verify_manifest(path)
     return load_dcp_metadata(path)
+
+
+_WO_GLOBAL = re.compile(r"(?:GLOBAL|global) ([\w.]+)")
+
+
+def load_byte_item(data: io.BytesIO, source: str):
+    """A torch DCP byte item (``torch.save`` bytes of a megatron-core ``ShardedObject``) loaded with
+    ``torch.load(weights_only=True)``: tensors, containers and the globals torch and megatron-core allow
+    (``torch.serialization.add_safe_globals``). A pickle that names anything else raises
+    :class:`UnsafeCheckpointError`, unreadable bytes :class:`CheckpointError` (one line naming ``source``)."""
+    try:
+        return torch.load(data, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = _WO_GLOBAL.search(str(e))
+        what = found.group(1) if found else one_line(e, 200)
+        raise UnsafeCheckpointError(f"{source}: refused to load {what} (not a tensor or a class of megatron-core's "
+                                    "checkpoint state; the file may be crafted to run code)") from None
+    except Exception as e:  # noqa: BLE001 - truncated / random bytes: any failure is a broken item
+        raise CheckpointError(f"{source}: unreadable checkpoint item ({type(e).__name__}: {one_line(e, 200)})") from None
+
+
+def _item_source(metadata, read_item) -> str:
+    """'DIR/FILE (item FQN)' for a DCP read item, as far as the metadata tells."""
+    info = (getattr(metadata, "storage_data", None) or {}).get(read_item.storage_index)
+    where = getattr(metadata, "_glm5_dir", None)
+    name = getattr(info, "relative_path", "?")
+    path = os.path.join(where, name) if where else name
+    return f"{path} (item {read_item.dest_index.fqn})"
+
+
+def install_dcp_read_guards() -> bool:
+    """Make torch DCP's ``FileSystemReader.read_metadata`` use :func:`load_dcp_metadata` (one read, restricted
+    unpickler, storage files inside the checkpoint), ``DefaultLoadPlanner.load_bytes`` use :func:`load_byte_item`,
+    and megatron-core's legacy ``common.pt`` reader ``weights_only=True``. Idempotent; returns whether it installed
+    them now."""
+    from torch.distributed.checkpoint import default_planner, filesystem
+
+    if getattr(filesystem.FileSystemReader.read_metadata, "glm5_guard", False):
+        return False
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = str(self._get_metadata_path(kwargs.get("rank")))
+        md = load_dcp_metadata(path)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        md._glm5_dir = os.path.dirname(os.path.abspath(path))
+        return md
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = load_byte_item(value, _item_source(self.metadata, read_item))
+        if self.flatten_state_dict:
+            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+    read_metadata.glm5_guard = load_bytes.glm5_guard = True
+    read_metadata.upstream = filesystem.FileSystemReader.read_metadata  # torch's (tests show what they would run)
+    load_bytes.upstream = default_planner.DefaultLoadPlanner.load_bytes
+    filesystem.FileSystemReader.read_metadata = read_metadata
+    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
+    try:
+        from megatron.core.dist_checkpointing import serialization
+        from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+    except ImportError:  # the converters' lean import: no megatron-core checkpoint loading here
+        return True
+
+    def load_common(checkpoint_dir: str):
+        return torch_load_weights_only(os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
+
+    serialization.load_common = load_common
+    return True

@@ -361,6 +361,7 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
     from megatron_glm5.training.checkpoint_checks import (
         CheckpointDirError,
         check_architecture,
+        check_checkpoint_folder,
         check_resume_layout,
         checkpoint_in,
     )
@@ -376,6 +377,7 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
                 raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt)")
             if ckpt is not None:
                 check_architecture(ckpt, hf)
+                check_checkpoint_folder(ckpt)
                 if flag == "load":
                     check_resume_layout(ckpt, args)
         except CheckpointDirError as e:

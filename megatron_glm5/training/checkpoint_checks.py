@@ -1,8 +1,18 @@
-"""What ``--load`` / ``--pretrained-checkpoint`` must hold before Megatron-LM reads it, checked up front with one
-line naming the flag: Megatron-LM's layout (``latest_checkpointed_iteration.txt`` naming ``iter_NNNNNNN`` or
-``release``), and a checkpoint of this run's architecture (the ``hf_config.json`` every checkpoint of this model
-carries: the converter writes it, and so does every save of the trainer, :mod:`megatron_glm5.training.
-megatron_hooks`).
+"""What ``--load`` / ``--pretrained-checkpoint`` must hold before Megatron-LM reads it, one line naming the flag or
+the file.
+
+Up front (the argument checks, exit 2): Megatron-LM's layout (``latest_checkpointed_iteration.txt`` naming
+``iter_NNNNNNN`` or ``release``, :mod:`megatron_glm5.checkpoint.megatron_layout`); a ``torch_dist`` checkpoint folder
+(``metadata.json``, ``.metadata``) with no symbolic links in it (:func:`check_checkpoint_folder`); a checkpoint of
+this run's architecture (the ``hf_config.json`` every checkpoint of this model carries: the converter writes it, and
+so does every save of the trainer, :mod:`megatron_glm5.training.megatron_hooks`); optimizer state this run can
+resume (:func:`check_resume_layout`).
+
+While Megatron-LM loads (:class:`megatron_glm5.training.megatron_hooks._Glm5DistCheckpointing`, exit 1): every file
+against the checkpoint's manifest (megatron-core's ``integrity.json``, or the converter's ``checksums.sha256``;
+:func:`verify_checkpoint_files`), the checkpoint's tensors against this model's (:func:`check_tensors_match`: keys
+and global shapes, so that a checkpoint without ``hf_config.json`` of another size is refused too), and the saved
+run's arguments against this run's flags (:func:`check_resume_state`).
 
 Megatron-LM starts from scratch when ``--load`` holds no tracker; a directory that holds a checkpoint's files but no
 tracker (an ``iter_NNNNNNN`` folder itself) would silently start from random weights, and is refused instead.
@@ -12,7 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
+from megatron_glm5.checkpoint.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_to_mcore import HF_CONFIG_FNAME
 # the tracker logic lives with the checkpoint code; re-exported here for the argument checks
 from megatron_glm5.checkpoint.megatron_layout import TRACKER_FILE as TRACKER  # noqa: F401
@@ -22,7 +34,10 @@ from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, checkpo
 ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "n_routed_experts",
                      "moe_intermediate_size", "intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                      "v_head_dim", "linear_num_heads", "linear_head_dim", "hc_mult", "index_n_heads", "index_head_dim",
-                     "layer_types", "mlp_layer_types", "n_shared_experts")
+                     "layer_types", "mlp_layer_types", "n_shared_experts", "num_nextn_predict_layers",
+                     "qk_rope_head_dim", "linear_conv_kernel_dim")
+# what an HF config without the key means (transformers' defaults)
+_ARCHITECTURE_DEFAULTS = {"num_nextn_predict_layers": 0}
 
 
 def _json_object(path: str) -> dict:
@@ -30,8 +45,8 @@ def _json_object(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
             obj = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointDirError(f"{path}: unreadable ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        raise CheckpointDirError(f"{path}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     if not isinstance(obj, dict):
         raise CheckpointDirError(f"{path}: not a JSON object")
     return obj
@@ -45,7 +60,12 @@ def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
         return
     saved = _json_object(path)
     a, b = saved.get("text_config", saved), hf_config.get("text_config", hf_config)
+    if not isinstance(a, dict):
+        raise CheckpointDirError(f"{path}: text_config is not a JSON object")
+    a, b = dict(a), dict(b)
     for key in ARCHITECTURE_KEYS:
+        if key in _ARCHITECTURE_DEFAULTS:
+            a.setdefault(key, _ARCHITECTURE_DEFAULTS[key]), b.setdefault(key, _ARCHITECTURE_DEFAULTS[key])
         if key in a and key in b and a[key] != b[key]:
             raise CheckpointDirError(f"{ckpt_dir} is a checkpoint of another architecture: {key} is {a[key]!r} there, "
                                      f"{b[key]!r} in this run's model config")
@@ -57,7 +77,7 @@ def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
 LAYOUT_FNAME = "parallel_layout.json"  # written beside every save of the trainer (megatron_hooks)
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                  "expert_tensor_parallel_size", "context_parallel_size", "data_parallel_size",
-                 "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable")
+                 "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "no_save_optim")
 
 
 def layout_record(args) -> dict:
@@ -66,28 +86,205 @@ def layout_record(args) -> dict:
 
 
 def check_resume_layout(ckpt_dir: str, args) -> None:
-    """Refuse (one line) to resume, with its optimizer state, a distributed-optimizer checkpoint that Megatron-LM cannot
-    load at this layout (it stops with a traceback in the middle of loading): one saved at another expert-parallel
-    size, or in the DP-reshardable format (the default) at another TP / PP."""
+    """Refuse (one line) to resume optimizer state that Megatron-LM cannot load into this run (it stops with a
+    traceback in the middle of loading), from the checkpoint's :data:`LAYOUT_FNAME`: see :func:`resume_refusal`."""
     path = os.path.join(ckpt_dir, LAYOUT_FNAME)
-    if not os.path.isfile(path) or args.finetune or args.no_load_optim or not args.use_distributed_optimizer:
-        return
-    saved = _json_object(path)
-    if not saved.get("use_distributed_optimizer"):
-        return
+    if os.path.isfile(path):
+        problem = resume_refusal(ckpt_dir, _json_object(path), args)
+        if problem:
+            raise CheckpointDirError(problem)
+
+
+def resume_refusal(ckpt_dir: str, saved: dict, args) -> Optional[str]:
+    """Why this run cannot resume the optimizer state of the checkpoint ``ckpt_dir`` whose run had the arguments
+    ``saved`` (a :func:`layout_record`, or the saved run's ``args`` as a dict), or None: optimizer state saved with
+    --no-save-optim, with / without --use-distributed-optimizer unlike this run, at another expert-parallel size,
+    or in the DP-reshardable format at another TP / PP. Nothing to say when this run loads no optimizer state
+    (--finetune, --no-load-optim, a release checkpoint)."""
+    if args.finetune or args.no_load_optim or os.path.basename(os.path.normpath(ckpt_dir)) == "release":
+        return None
+    if saved.get("no_save_optim"):
+        return (f"{ckpt_dir} holds no optimizer state (saved with --no-save-optim): start a fresh optimizer from its "
+                "weights with --no-load-optim (or --finetune to also restart the iteration count and schedule)")
+    was = saved.get("use_distributed_optimizer")
+    if was is not None and bool(was) != bool(args.use_distributed_optimizer):
+        flag = "with" if was else "without"
+        return (f"{ckpt_dir} holds optimizer state saved {flag} --use-distributed-optimizer, which this run cannot "
+                f"load: resume {flag} --use-distributed-optimizer, or leave the optimizer state out (--no-load-optim)")
+    if not was:
+        return None
     ep_was, ep_now = saved.get("expert_model_parallel_size"), args.expert_model_parallel_size
     if ep_was is not None and ep_was != ep_now:
-        raise CheckpointDirError(
-            f"{ckpt_dir} holds distributed-optimizer state saved at EP {ep_was}: Megatron-LM loads it only at the "
-            f"same expert-parallel size (its optimizer is split by it; this run: EP {ep_now}): resume at EP {ep_was}, "
-            f"or leave the optimizer state out (--no-load-optim)")
+        return (f"{ckpt_dir} holds distributed-optimizer state saved at EP {ep_was}: Megatron-LM loads it only at the "
+                f"same expert-parallel size (its optimizer is split by it; this run: EP {ep_now}): resume at EP "
+                f"{ep_was}, or leave the optimizer state out (--no-load-optim)")
     if saved.get("dist_ckpt_optim_fully_reshardable"):
-        return
-    was = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"))
+        return None
+    was_tp_pp = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"))
     now = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    if was != now:
+    if was_tp_pp != now:
+        return (f"{ckpt_dir} holds distributed-optimizer state saved at TP {was_tp_pp[0]} PP {was_tp_pp[1]} in the "
+                f"DP-reshardable format, which loads only at that TP / PP (this run: TP {now[0]} PP {now[1]}): resume "
+                f"at TP {was_tp_pp[0]} PP {was_tp_pp[1]}, leave the optimizer state out (--no-load-optim), or save "
+                "with --dist-ckpt-optim-fully-reshardable")
+    return None
+
+
+def check_resume_state(ckpt_dir: str, common_state: dict, args) -> None:
+    """The common state megatron-core loaded from ``ckpt_dir`` (``args``, ``optimizer``, ...) against this run:
+    :func:`resume_refusal` from the saved run's arguments, and optimizer / scheduler state that this run would load
+    but the checkpoint lacks. Raises :class:`CheckpointDirError` (one line)."""
+    saved_args = common_state.get("args") if isinstance(common_state, dict) else None
+    saved = dict(vars(saved_args)) if hasattr(saved_args, "__dict__") else {}
+    if isinstance(common_state, dict) and "optimizer" not in common_state and "iteration" in common_state:
+        saved["no_save_optim"] = True
+    problem = resume_refusal(ckpt_dir, saved, args)
+    if problem:
+        raise CheckpointDirError(problem)
+
+
+def check_checkpoint_folder(ckpt_dir: str) -> None:
+    """Refuse (one line) a checkpoint folder that is not megatron-core ``torch_dist`` (``metadata.json`` naming the
+    ``torch_dist`` backend, and ``.metadata``; Megatron-LM would read other formats with other, unchecked readers) or
+    that holds symbolic links (a checkpoint's files are its own: nothing it names may lie outside it)."""
+    try:
+        names = sorted(os.listdir(ckpt_dir))
+    except OSError as e:
+        raise CheckpointDirError(f"{ckpt_dir}: unreadable ({e.strerror or e})") from None
+    for name in names:
+        if os.path.islink(os.path.join(ckpt_dir, name)):
+            raise CheckpointDirError(f"{os.path.join(ckpt_dir, name)}: a symbolic link inside a checkpoint (its files "
+                                     "must be its own, not links to elsewhere)")
+    config = os.path.join(ckpt_dir, "metadata.json")
+    if not os.path.isfile(config) or not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
+        raise CheckpointDirError(f"{ckpt_dir}: not a megatron-core torch_dist checkpoint (no metadata.json and "
+                                 ".metadata); this trainer reads only torch_dist checkpoints (Megatron-LM's default "
+                                 "--ckpt-format)")
+    backend = _json_object(config).get("sharded_backend")
+    if backend != "torch_dist":
+        raise CheckpointDirError(f"{config}: sharded_backend is {backend!r}; this trainer reads only torch_dist "
+                                 "checkpoints")
+
+
+_VERIFIED: dict = {}
+
+
+def verify_checkpoint_files(ckpt_dir: str) -> None:
+    """Every file of ``ckpt_dir`` against its manifest (megatron-core's ``integrity.json`` or the converter's
+    ``checksums.sha256``; a checkpoint without one is taken as it is), :func:`check_checkpoint_folder`, and its
+    ``.metadata`` through the restricted unpickler (storage files inside the folder). Rank 0
+    hashes (threads) and broadcasts the verdict; once per folder and process. Raises :class:`CheckpointDirError`
+    (one line naming the file)."""
+    import torch.distributed as dist
+
+    from megatron_glm5.checkpoint.checksums import verify_manifest
+    from megatron_glm5.checkpoint.safe_load import check_storage_extents, load_dcp_metadata
+
+    key = os.path.realpath(ckpt_dir)
+    if key not in _VERIFIED:
+        problem = None
+        many = dist.is_initialized() and dist.get_world_size() > 1
+        if not many or dist.get_rank() == 0:
+            try:
+                check_checkpoint_folder(ckpt_dir)
+                verify_manifest(ckpt_dir)
+                # what megatron-core reads first, with its one-line refusals; items past a file's end
+                check_storage_extents(load_dcp_metadata(ckpt_dir), ckpt_dir)
+            except CheckpointError as e:
+                problem = str(e)
+        if many:
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        _VERIFIED[key] = problem
+    if _VERIFIED[key] is not None:
+        raise CheckpointDirError(_VERIFIED[key])
+
+
+# checkpoint items that are not model weights (megatron.training's common / RNG / rerun state, optimizer state)
+_NOT_WEIGHTS = ("optimizer.", "common_state", "rng_state", "rerun_state_machine_state", "content_metadata")
+
+
+def _weight_key(key: str) -> bool:
+    return not key.startswith(_NOT_WEIGHTS)
+
+
+def check_tensors_match(sharded_state_dict, ckpt_dir: str) -> None:
+    """The tensors this model (this rank's ``sharded_state_dict``) expects against the checkpoint's tensor metadata:
+    every model tensor present with its global shape, and (gathered over ranks) no model tensor in the checkpoint
+    that this model lacks (more layers, MTP layers or experts; megatron-core would drop them silently). Raises
+    :class:`CheckpointDirError` naming the first difference."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    wanted, problem = set(), None
+    other = "it is a checkpoint of another architecture or layer count than this run's model"
+    for sh in nested_values(sharded_state_dict):
+        if not isinstance(sh, (ShardedTensor, ShardedTensorFactory)) or not _weight_key(sh.key):
+            continue  # byte items (_extra_state) are keyed by their sharding, which may change with the layout
+        wanted.add(sh.key)
+        stored = md.get(sh.key)
+        if problem is not None:
+            continue
+        if stored is None:
+            problem = f"{ckpt_dir} has no {sh.key}, which this model has: {other}"
+        elif (isinstance(sh, ShardedTensor) and isinstance(stored, TensorStorageMetadata)
+              and not sh.allow_shape_mismatch and tuple(stored.size) != tuple(sh.global_shape)):
+            problem = (f"{ckpt_dir}: {sh.key} has shape {tuple(stored.size)} there, {tuple(sh.global_shape)} in this "
+                       f"model: {other}")
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank learns every rank's verdict: no rank hangs
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (problem, sorted(wanted)))
+        problem = next((p for p, _ in everyone if p is not None), None)
+        wanted = set().union(*(set(w) for _, w in everyone))
+    if problem is not None:
+        raise CheckpointDirError(problem)
+    extra = sorted(k for k, v in md.items() if isinstance(v, TensorStorageMetadata) and _weight_key(k)
+                   and k not in wanted)
+    if extra:
+        raise CheckpointDirError(f"{ckpt_dir} holds {extra[0]}{f' (+{len(extra) - 1} more)' if len(extra) > 1 else ''}"
+                                 f", which this model does not have: {other}")
+
+
+# megatron-core's OptimizerParamScheduler names of the schedule values it compares on resume -> the flags behind them
+_SCHEDULE_FLAGS = {
+    "learning rate": "--lr", "minimum learning rate": "--min-lr",
+    "warmup iterations": "--lr-warmup-iters / --lr-warmup-samples / --lr-warmup-fraction",
+    "total number of iterations": "--lr-decay-iters / --lr-decay-samples / --train-iters",
+    "learning rate decay style": "--lr-decay-style", "start weight decay": "--start-weight-decay / --weight-decay",
+    "end weight decay": "--end-weight-decay / --weight-decay",
+    "total number of weight decay iterations": "--train-iters / --train-samples",
+    "weight decay incr style": "--weight-decay-incr-style",
+}
+
+
+def install_schedule_check() -> bool:
+    """megatron-core's ``OptimizerParamScheduler._check_and_set`` asserts (a traceback) when a resumed run's learning
+    rate schedule differs from the checkpoint's; it raises one :class:`CheckpointDirError` line instead, naming the
+    value, the flags behind it and the two ways to resume (Megatron-LM's --use-checkpoint-opt_param-scheduler /
+    --override-opt_param-scheduler). Idempotent; returns whether it installed it now."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    upstream = OptimizerParamScheduler._check_and_set
+    if getattr(upstream, "glm5_hook", False):
+        return False
+
+    def _check_and_set(self, cls_value, sd_value, name):
+        if self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler or cls_value == sd_value:
+            return upstream(self, cls_value, sd_value, name)
+        from megatron.training import global_vars
+
+        run = getattr(global_vars, "_GLOBAL_ARGS", None)
+        where = f"--load {run.load}" if run is not None and run.load else "the checkpoint"
         raise CheckpointDirError(
-            f"{ckpt_dir} holds distributed-optimizer state saved at TP {was[0]} PP {was[1]} in the DP-reshardable "
-            f"format, which loads only at that TP / PP (this run: TP {now[0]} PP {now[1]}): resume at TP {was[0]} "
-            f"PP {was[1]}, leave the optimizer state out (--no-load-optim), or save with "
-            f"--dist-ckpt-optim-fully-reshardable")
+            f"{where}: its learning-rate schedule has {name} {sd_value}, this run's is {cls_value} "
+            f"({_SCHEDULE_FLAGS.get(name, name)} changed since the save): keep the checkpoint's schedule with "
+            "--use-checkpoint-opt_param-scheduler, or this run's with --override-opt_param-scheduler")
+
+    _check_and_set.glm5_hook = True
+    OptimizerParamScheduler._check_and_set = _check_and_set
+    return True

@@ -13,10 +13,12 @@
   weights pair with the right parameters.
 * **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
   layout (megatron-core has none), so that its checkpoints load.
-* **Every checkpoint carries its architecture and layout.** ``hf_config.json`` (the run's HF config) and
+* **Every checkpoint carries its architecture, layout and manifest.** ``hf_config.json`` (the run's HF config) and
   ``parallel_layout.json`` (parallel sizes, optimizer-state format) are written into each checkpoint folder
-  Megatron-LM saves: the HF exporter reads the first, the ``--load`` checks both
-  (:mod:`megatron_glm5.training.checkpoint_checks`).
+  Megatron-LM saves, and megatron-core's ``integrity.json`` (SHA-256 of every file) after them: the HF exporter
+  reads the first, the ``--load`` checks all three (:mod:`megatron_glm5.training.checkpoint_checks`).
+* **Checkpoint loads are checked.** ``--load`` / ``--pretrained-checkpoint``: the files against the manifest, the
+  saved run's optimizer state against this run's flags, the checkpoint's tensors against the model's; one line.
 * **The checkpoint writer's helper process dies with the trainer.** megatron-core's torch_dist writer keeps its
   results queue in a ``multiprocessing`` manager process, started on the first save, that inherits the trainer's
   stdout / stderr and outlives it when the trainer is killed (a ``| tee`` or a launcher then waits forever). The
@@ -174,39 +176,124 @@ def _compile_helpers_unless_shipped(upstream):
 
 
 class _Glm5DistCheckpointing:
-    """``megatron.core.dist_checkpointing`` as Megatron-LM's checkpointing sees it: ``save`` also writes the run's
-    architecture (``hf_config.json``, what the exporter and the ``--load`` check read) into the checkpoint folder;
-    under ``--test-kill-during-save N`` the save of iteration N writes its files, then the process is killed
-    (SIGKILL) before Megatron-LM finalises the checkpoint and moves its tracker."""
+    """``megatron.core.dist_checkpointing`` as Megatron-LM's checkpointing sees it.
+
+    ``save`` has megatron-core save with its integrity manifest (as ``--verify-integrity`` does); its finalize step
+    (:meth:`save_integrity_manifest`, once the files are complete, sync or async, before Megatron-LM moves the
+    tracker) writes the run's architecture (``hf_config.json``, what the exporter and the ``--load`` check read) and
+    parallel layout (``parallel_layout.json``) into the checkpoint folder, then ``integrity.json`` over every file.
+    Under ``--test-kill-during-save N`` the save of iteration N writes its files, then the process is killed
+    (SIGKILL) before Megatron-LM moves its tracker.
+
+    ``load_common_state_dict`` / ``load`` first verify the checkpoint's files against its manifest and the folder
+    (:func:`~megatron_glm5.training.checkpoint_checks.verify_checkpoint_files`), the saved run's arguments against
+    this run's (:func:`~megatron_glm5.training.checkpoint_checks.check_resume_state`) and the checkpoint's tensors
+    against this model's (:func:`~megatron_glm5.training.checkpoint_checks.check_tensors_match`); any failure to
+    load is one :class:`~megatron_glm5.checkpoint.errors.CheckpointError` line naming the checkpoint. (What is read
+    is unpickled safely by :func:`megatron_glm5.checkpoint.safe_load.install_dcp_read_guards`.)"""
 
     def __init__(self, module, kill_at: Optional[int] = None):
         self._module, self.kill_at = module, kill_at
+        self._records: dict = {}  # checkpoint folder -> {file name: JSON record} written by its integrity step
 
     def __getattr__(self, name):
         return getattr(self._module, name)
 
     def save(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        import json
         import os
         import signal
 
-        import torch.distributed as dist
         from megatron.training import get_args
 
         from megatron_glm5.checkpoint.hf_to_mcore import HF_CONFIG_FNAME
         from megatron_glm5.training.checkpoint_checks import LAYOUT_FNAME, layout_record
 
-        out = self._module.save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         run = get_args()
-        if (not dist.is_initialized() or dist.get_rank() == 0) and getattr(run, "hf_config_dict", None):
-            for name, record in ((HF_CONFIG_FNAME, run.hf_config_dict), (LAYOUT_FNAME, layout_record(run))):
-                tmp = os.path.join(checkpoint_dir, name + ".tmp")
-                with open(tmp, "w", encoding="utf-8") as fh:
-                    json.dump(record, fh, indent=2)
-                os.replace(tmp, os.path.join(checkpoint_dir, name))
+        if getattr(run, "hf_config_dict", None):
+            self._records[os.path.abspath(checkpoint_dir)] = {HF_CONFIG_FNAME: run.hf_config_dict,
+                                                              LAYOUT_FNAME: layout_record(run)}
+        if "verify_integrity" in kwargs:
+            kwargs["verify_integrity"] = True
+        out = self._module.save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         if self.kill_at is not None and self.kill_at in (run.curr_iteration + 1, run.iteration):
             os.kill(os.getpid(), signal.SIGKILL)
         return out
+
+    def save_integrity_manifest(self, checkpoint_dir) -> None:
+        """megatron-core's integrity finalize step (rank 0, once the checkpoint's files are complete, before the
+        tracker moves): this save's ``hf_config.json`` and ``parallel_layout.json``, then ``integrity.json`` over
+        every file (:func:`megatron_glm5.checkpoint.checksums.write_integrity_manifest`)."""
+        import json
+        import os
+
+        from megatron_glm5.checkpoint.checksums import write_integrity_manifest
+
+        for name, record in self._records.pop(os.path.abspath(checkpoint_dir), {}).items():
+            tmp = os.path.join(checkpoint_dir, name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(record, fh, indent=2)
+            os.replace(tmp, os.path.join(checkpoint_dir, name))
+        write_integrity_manifest(str(checkpoint_dir))
+
+    def load_common_state_dict(self, checkpoint_dir, *args, **kwargs):
+        from megatron.training import global_vars
+
+        from megatron_glm5.training.checkpoint_checks import check_resume_state, verify_checkpoint_files
+
+        verify_checkpoint_files(str(checkpoint_dir))
+        state = _load_or_one_line(checkpoint_dir, self._module.load_common_state_dict, checkpoint_dir, *args,
+                                  **kwargs)
+        run = getattr(global_vars, "_GLOBAL_ARGS", None)  # None while Megatron-LM reads --use-checkpoint-args
+        if run is not None:
+            check_resume_state(str(checkpoint_dir), state, run)
+        return state
+
+    def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        from megatron_glm5.training.checkpoint_checks import check_tensors_match, verify_checkpoint_files
+
+        verify_checkpoint_files(str(checkpoint_dir))
+        check_tensors_match(sharded_state_dict, str(checkpoint_dir))
+        if "verify_integrity" in kwargs:
+            kwargs["verify_integrity"] = False  # verified above, integrity.json or the converter's checksums.sha256
+        return _load_or_one_line(checkpoint_dir, self._module.load, sharded_state_dict, checkpoint_dir, *args,
+                                 **kwargs)
+
+
+def _load_or_one_line(checkpoint_dir, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a megatron-core checkpoint load; a failure becomes one CheckpointError line: the
+    CheckpointError raised inside torch DCP's wrapping (``CheckpointException``), or the error named briefly."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+
+    try:
+        return fn(*args, **kwargs)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        inner = _checkpoint_error_in(e)
+        if inner is not None:
+            raise inner from None
+        if isinstance(e, CheckpointException):
+            e = next((exc for exc, _ in e.failures.values() if isinstance(exc, BaseException)), e)
+        raise CheckpointError(f"{checkpoint_dir}: cannot be loaded ({type(e).__name__}: {one_line(e, 300)})") from e
+
+
+def _checkpoint_error_in(e: BaseException):
+    """The CheckpointError ``e`` is or wraps (torch DCP's ``CheckpointException.failures``, causes), or None."""
+    from megatron_glm5.checkpoint.errors import CheckpointError
+
+    seen = set()
+    todo = [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CheckpointError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        todo += [exc for exc, _ in (getattr(e, "failures", None) or {}).values()] if isinstance(
+            getattr(e, "failures", None), dict) else []
+    return None
 
 
 def install_test_kill_during_save(iteration: int) -> None:
@@ -262,11 +349,20 @@ def install() -> None:
     from megatron.training import checkpointing
 
     if not isinstance(checkpointing.dist_checkpointing, _Glm5DistCheckpointing):
+        from megatron.core.dist_checkpointing import serialization
+
         checkpointing.dist_checkpointing = _Glm5DistCheckpointing(checkpointing.dist_checkpointing)
-        _INSTALLED.append("checkpoints: hf_config.json (the architecture) written beside every save")
+        serialization.save_integrity_manifest = checkpointing.dist_checkpointing.save_integrity_manifest
+        _INSTALLED.append("checkpoints: hf_config.json, parallel_layout.json and megatron-core's integrity.json in "
+                          "every save; loads verified against them and the model; .metadata and byte items "
+                          "unpickled without code")
     if not getattr(training.save_checkpoint, "glm5_nonfinite_guard", False):
         training.save_checkpoint = _refuse_nonfinite_save(training.save_checkpoint)
         _INSTALLED.append("checkpoints: a model holding NaN/inf weights is not saved (the run stops)")
+    from megatron_glm5.training.checkpoint_checks import install_schedule_check
+
+    if install_schedule_check():
+        _INSTALLED.append("resume: a learning-rate schedule unlike the checkpoint's is one line naming the flags")
     if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
         training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
         _INSTALLED.append("optimizer: steps with a NaN/inf gradient norm or updated weight skipped and counted; "
