@@ -456,3 +456,26 @@ def test_torch_dcp_reads_run_code_upstream_and_not_guarded(tmp_path):
     assert not marker.exists() and planner.state_dict == {}
     DefaultLoadPlanner.load_bytes.upstream(planner, item, io.BytesIO(buf.getvalue()))
     assert marker.exists()
+
+
+def test_manifest_shares_split_the_files_and_together_catch_a_flip(tmp_path):
+    """verify_manifest's shares (one per rank) re-hash disjoint files that together cover the manifest: a flipped
+    file is refused by the one share that holds it and passes the others."""
+    from megatron_glm5.checkpoint.checksums import ChecksumError, verify_manifest, write_integrity_manifest
+
+    for i in range(5):
+        (tmp_path / f"__{i}_0.distcp").write_bytes(bytes([i]) * (100 + i))
+    write_integrity_manifest(str(tmp_path))
+    assert all(verify_manifest(str(tmp_path), share=(r, 3)) for r in range(3))
+    names = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    target = tmp_path / names[4]  # the fifth file in name order: share 4 % 3 = 1
+    data = bytearray(target.read_bytes())
+    data[7] ^= 1
+    target.write_bytes(bytes(data))
+    caught = []
+    for r in range(3):
+        try:
+            verify_manifest(str(tmp_path), share=(r, 3))
+        except ChecksumError as e:
+            caught.append((r, str(e)))
+    assert [r for r, _ in caught] == [1] and caught[0][1].startswith(f"{target}: checksum mismatch"), caught

@@ -24,7 +24,7 @@ import concurrent.futures as cf
 import hashlib
 import os
 import re
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Tuple
 
 from megatron_glm5.checkpoint.cpus import usable_cpus
 from megatron_glm5.checkpoint.errors import CheckpointError
@@ -182,10 +182,12 @@ def write_integrity_manifest(directory: str) -> str:
     return path
 
 
-def verify_manifest(directory: str, required: bool = False) -> bool:
+def verify_manifest(directory: str, required: bool = False, share: Tuple[int, int] = (0, 1)) -> bool:
     """Re-hash every file the manifest (``checksums.sha256`` and / or megatron-core's ``integrity.json``) lists
     (threads). Returns False when there is none (True when all match); raises ChecksumError for a mismatch, a missing
-    listed file, an unlisted checkpoint data file, or, with ``required``, a missing manifest."""
+    listed file, an unlisted checkpoint data file, or, with ``required``, a missing manifest. ``share`` = (i, n):
+    re-hash only every n-th listed file from the i-th (in name order), so that n processes verify a checkpoint
+    together; the listing checks run in every share."""
     ours, megatron = read_manifest(directory), read_integrity_manifest(directory)
     if ours is None and megatron is None:
         if required:
@@ -209,7 +211,7 @@ def verify_manifest(directory: str, required: bool = False) -> bool:
         if os.path.islink(os.path.join(directory, n)) or not os.path.isfile(os.path.join(directory, n)):
             raise ChecksumError(f"{directory}/{n}: listed in {manifest} but not a regular file")
     try:
-        got = hash_files(os.path.join(directory, n) for n in sorted(want))
+        got = hash_files(os.path.join(directory, n) for n in sorted(want)[share[0]::share[1]])
     except OSError as e:
         raise ChecksumError(f"{e.filename or directory}: unreadable ({e.strerror or e})") from None
     for path, digest in got.items():

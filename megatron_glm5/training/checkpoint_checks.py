@@ -172,9 +172,10 @@ _VERIFIED: dict = {}
 def verify_checkpoint_files(ckpt_dir: str) -> None:
     """Every file of ``ckpt_dir`` against its manifest (megatron-core's ``integrity.json`` or the converter's
     ``checksums.sha256``; a checkpoint without one is taken as it is), :func:`check_checkpoint_folder`, and its
-    ``.metadata`` through the restricted unpickler (storage files inside the folder). Rank 0
-    hashes (threads) and broadcasts the verdict; once per folder and process. Raises :class:`CheckpointDirError`
-    (one line naming the file)."""
+    ``.metadata`` through the restricted unpickler (storage files inside the folder). Every rank re-hashes its share
+    of the files (threads; rank r the r-th of every world-size files), rank 0 also checks the folder and the
+    metadata, and all ranks take the first problem in rank order; once per folder and process. Raises
+    :class:`CheckpointDirError` (one line naming the file)."""
     import torch.distributed as dist
 
     from megatron_glm5.checkpoint.checksums import verify_manifest
@@ -184,18 +185,19 @@ def verify_checkpoint_files(ckpt_dir: str) -> None:
     if key not in _VERIFIED:
         problem = None
         many = dist.is_initialized() and dist.get_world_size() > 1
-        if not many or dist.get_rank() == 0:
-            try:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if many else (0, 1)
+        try:
+            if rank == 0:
                 check_checkpoint_folder(ckpt_dir)
-                verify_manifest(ckpt_dir)
-                # what megatron-core reads first, with its one-line refusals; items past a file's end
+            verify_manifest(ckpt_dir, share=(rank, world))
+            if rank == 0:  # what megatron-core reads first, with its one-line refusals; items past a file's end
                 check_storage_extents(load_dcp_metadata(ckpt_dir), ckpt_dir)
-            except CheckpointError as e:
-                problem = str(e)
+        except CheckpointError as e:
+            problem = str(e)
         if many:
-            box = [problem]
-            dist.broadcast_object_list(box, src=0)
-            problem = box[0]
+            problems = [None] * world
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p is not None), None)
         _VERIFIED[key] = problem
     if _VERIFIED[key] is not None:
         raise CheckpointDirError(_VERIFIED[key])
