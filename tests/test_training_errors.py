@@ -461,3 +461,48 @@ def test_weight_range_guard_bounds_hold_and_fall_back_to_the_exact_trial(make):
     assert expected is False
     assert guard.keeps_within(norm) is expected
     assert (guard.measured, guard.tried) == (2, 1)
+
+
+# ---------------------------------------------------------------------------- the launcher's environment
+@pytest.mark.parametrize("env, phrase", [
+    ({"RANK": "abc"}, "$RANK='abc' is not an integer"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "$RANK=1 is not below $WORLD_SIZE=1"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "$WORLD_SIZE='0' is out of range"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "$MASTER_PORT is not set but $RANK is"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "70000"}, "$MASTER_PORT='70000' is out of range"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}, "$MASTER_ADDR is not set but $RANK is"),
+    ({"RANK": "-1", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}, "$RANK='-1' is out of range"),
+])
+def test_launcher_environment_that_cannot_start_a_run_is_one_line_at_once(capsys, monkeypatch, env, phrase):
+    """$RANK / $WORLD_SIZE / $MASTER_* set by hand (not by torchrun) and unusable: one line from the process itself
+    (its rank is unknown: no wait for a rank 0), exit 2, before torch or megatron is touched."""
+    import time
+
+    from megatron_glm5.training import entry
+
+    for var in entry._LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    start = time.monotonic()
+    code = entry.run_pretrain(None, None, None, argv=BASE, prog=PROG)
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{PROG}: error: {phrase}"), err
+    assert "unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in err[0]
+    assert time.monotonic() - start < 5
+
+
+def test_launcher_environment_of_torchrun_passes():
+    from megatron_glm5.training.entry import launcher_env_error
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        assert launcher_env_error() is None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
