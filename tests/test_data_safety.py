@@ -641,3 +641,21 @@ def test_unwritable_index_cache_folder_is_one_line(data, tmp_path, monkeypatch):
         build_train_valid_test_datasets(_args(data_path=[prefix], data_cache_path=str(tmp_path / "cache")),
                                         tiny_config(), data.tok)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dataset_type, split", [("gpt", "100,0,0"), ("gpt", "999,1,0"), ("vqa", "1,0,0")])
+def test_validation_asked_for_and_no_validation_split_is_one_line(data, tmp_path, dataset_type, split):
+    """--eval-iters > 0 with a --split that leaves the validation split empty (a 0 weight, or too few documents for
+    its share): refused before training, naming both flags (Megatron-LM would start validation on no loader and
+    fail with a TypeError at the first --eval-interval)."""
+    path = _copy_corpus(data, tmp_path) if dataset_type == "gpt" else str(data.dir / "vqa" / "vqa.jsonl")
+    args = _args(data_path=[path], split=split, eval_iters=2, dataset_type=dataset_type, seq_length=64,
+                 data_cache_path=str(tmp_path / "cache"))
+    before = _hashes(path)
+    with pytest.raises(DataError) as info:
+        build_train_valid_test_datasets(args, tiny_config(), data.tok)
+    assert str(info.value).startswith(f"--eval-iters 2: --split {split} leaves no validation data"), info.value
+    assert _hashes(path) == before
+    # the same data with a validation share that holds documents builds one
+    args.split = "1,1,0"
+    assert build_train_valid_test_datasets(args, tiny_config(), data.tok)[1] is not None
