@@ -506,3 +506,17 @@ def test_launcher_environment_of_torchrun_passes():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.mark.parametrize("flag", ["--tensorboard-dir", "--data-cache-path", "--wandb-save-dir"])
+@pytest.mark.parametrize("under", [False, True])
+def test_output_folder_that_is_a_file_is_one_line(capsys, tmp_path, flag, under):
+    """A folder Megatron-LM creates (TensorBoard events, dataset index caches, W&B files) given as an existing file,
+    or below one: refused before any work (TensorBoard's makedirs raised FileExistsError with a traceback), the
+    file unchanged."""
+    f = tmp_path / "notes.txt"
+    f.write_bytes(b"mine")
+    path = str(f / "sub") if under else str(f)
+    line = _parse_error(capsys, BASE + [flag, path])
+    assert line == f"{PROG}: error: {flag}: {path}: {f} exists and is not a folder", line
+    assert f.read_bytes() == b"mine"

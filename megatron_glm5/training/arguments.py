@@ -424,9 +424,14 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
     _check_checkpoints(args, hf)
     if args.save and os.path.exists(args.save):
         _require(os.path.isdir(args.save), "--save", f"{args.save} exists and is not a directory")
-    from megatron_glm5.training.save_guard import check_save_target  # --save loses nothing
+    from megatron_glm5.training.save_guard import check_save_target, existing_folder  # --save loses nothing
 
     check_save_target(args)
+    for flag in ("--tensorboard-dir", "--wandb-save-dir", "--data-cache-path"):  # folders Megatron-LM creates
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path:
+            _, blocked = existing_folder(path)
+            _require(blocked is None, flag, f"{path}: {blocked} exists and is not a folder")
     if args.eval_interval is None:
         _require(args.eval_iters == 0, "--eval-interval",
                  f"required with --eval-iters {args.eval_iters} (--eval-iters 0 turns validation off)")

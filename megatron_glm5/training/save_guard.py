@@ -177,6 +177,18 @@ def _not_writable(path: str) -> Optional[str]:
     return os.strerror(errno.EROFS if ro else errno.EACCES)
 
 
+def existing_folder(path: str) -> Tuple[str, Optional[str]]:
+    """(the nearest existing folder at or above ``path``, the first existing non-folder on the way there or None):
+    a folder to be created at ``path`` goes below the first, and cannot be created while there is a second."""
+    where = os.path.abspath(path)
+    blocked = None
+    while not os.path.isdir(where):
+        if os.path.lexists(where):
+            blocked = where
+        where = os.path.dirname(where)
+    return where, blocked
+
+
 def check_save_dir(save: str, args, flag: str = "--save") -> None:
     """The checks of :func:`check_save_target` for one save root; raises :class:`SaveGuardError` naming ``flag``."""
     if _real(save) == os.sep:
@@ -198,11 +210,10 @@ def check_save_dir(save: str, args, flag: str = "--save") -> None:
             raise SaveGuardError(f"{flag} {e}") from None
         where = save
     else:
-        tracked, iters, where = None, [], os.path.dirname(os.path.abspath(save)) or "."
-        while not os.path.isdir(where):
-            if os.path.lexists(where):
-                raise SaveGuardError(f"{flag} {save}: {where} is not a folder")
-            where = os.path.dirname(where)
+        tracked, iters = None, []
+        where, blocked = existing_folder(save)
+        if blocked:
+            raise SaveGuardError(f"{flag} {save}: {blocked} is not a folder")
     why = _not_writable(where)
     if why:
         what = save if where == save else f"{save}: its folder {where}"
