@@ -659,3 +659,14 @@ def test_validation_asked_for_and_no_validation_split_is_one_line(data, tmp_path
     # the same data with a validation share that holds documents builds one
     args.split = "1,1,0"
     assert build_train_valid_test_datasets(args, tiny_config(), data.tok)[1] is not None
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63)])
+def test_make_tiny_data_bad_seed_names_seed_and_writes_nothing(tmp_path, capsys, seed):
+    """A seed numpy's generator refuses: one line naming --seed (it was reported as a --vocab-size error)."""
+    out = tmp_path / "tiny"
+    with pytest.raises(SystemExit) as exc:
+        make_tiny_data.main(["--out", str(out), "--text-docs", "2", "--vqa-docs", "1", "--seed", seed])
+    assert exc.value.code == 2
+    _one_line(capsys.readouterr().err, "make_tiny_data: error: --seed must lie in [0, 2**63)", seed)
+    assert os.listdir(tmp_path) == []
