@@ -520,3 +520,15 @@ def test_output_folder_that_is_a_file_is_one_line(capsys, tmp_path, flag, under)
     line = _parse_error(capsys, BASE + [flag, path])
     assert line == f"{PROG}: error: {flag}: {path}: {f} exists and is not a folder", line
     assert f.read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("layout", [["1", "P", "2"], ["P", "1"], ["1", "P", "P"], ["P", "1", "P", "2"]])
+def test_data_path_weights_not_in_weight_prefix_pairs_are_one_line(capsys, tiny_data, layout):
+    """Weights that are not WEIGHT PREFIX pairs: megatron-core reads every item as a prefix and fails on '1.bin'
+    after start-up; refused with the expected form before any work."""
+    prefix = str(tiny_data / "text_text_document")
+    given = [prefix if x == "P" else x for x in layout]
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + ["--data-path", *given,
+                                                                           "--tokenizer-model", str(tiny_data)])
+    assert line == (f"{PROG}: error: --data-path: expected PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX ...], "
+                    f"got {' '.join(given)}"), line

@@ -397,6 +397,10 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
                                       f"{args.hf_config or args.model_preset} ({want}); leave it out")
         setattr(args, flag, want)  # over a Megatron-LM default (--moe-router-topk 2)
     files = [f for f in (args.data_path or []) if not _is_number(f)]
+    numbers = [_is_number(f) for f in (args.data_path or [])]
+    if any(numbers) and args.dataset_type == "gpt":  # megatron-core's get_blend_from_list reads the rest as prefixes
+        _require(len(numbers) % 2 == 0 and all(numbers[0::2]) and not any(numbers[1::2]), "--data-path",
+                 f"expected PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX ...], got {' '.join(args.data_path)}")
     for w in (args.data_path or []):
         if _is_number(w):
             _require(math.isfinite(float(w)) and float(w) > 0, "--data-path",
