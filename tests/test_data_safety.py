@@ -670,3 +670,29 @@ def test_make_tiny_data_bad_seed_names_seed_and_writes_nothing(tmp_path, capsys,
     assert exc.value.code == 2
     _one_line(capsys.readouterr().err, "make_tiny_data: error: --seed must lie in [0, 2**63)", seed)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("ext, fmt", [("bmp", "BMP"), ("gif", "GIF"), ("tif", "TIFF"), ("image.bmp", "BMP")])
+def test_tar_image_of_another_format_is_one_line_not_a_text_only_sample(tmp_path, ext, fmt):
+    """A tar sample whose image is a BMP / GIF / TIFF (formats the reader does not take) was read as a text-only
+    sample and trained without its image, exit 0; now one line naming the member. Other extensions (.txt, .cls)
+    stay ignored fields."""
+    from PIL import Image
+
+    from megatron_glm5.data.vqa import read_webdataset
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (0, 255, 0)).save(buf, format=fmt)
+    qa = json.dumps({"question": "q", "answer": "a"}).encode()
+    bad = tmp_path / "bad.tar"
+    _tar(bad, [("s0.json", qa, "file"), (f"s0.{ext}", buf.getvalue(), "file")])
+    before = _hashes(bad)
+    with pytest.raises(DataError) as info:
+        read_webdataset(str(bad))
+    assert str(info.value) == (f"{bad}: member s0.{ext} is an image of a format this reader does not take "
+                               f"(jpg, jpeg, png, webp); convert it, or the sample has no image"), info.value
+    assert _hashes(bad) == before
+    ok = tmp_path / "ok.tar"
+    _tar(ok, [("s0.json", qa, "file"), ("s0.txt", b"caption", "file"), ("s0.cls", b"3", "file")])
+    rec, = read_webdataset(str(ok))
+    assert rec.image is None and (rec.question, rec.answer) == ("q", "a")
