@@ -532,3 +532,15 @@ def test_data_path_weights_not_in_weight_prefix_pairs_are_one_line(capsys, tiny_
                                                                            "--tokenizer-model", str(tiny_data)])
     assert line == (f"{PROG}: error: --data-path: expected PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX ...], "
                     f"got {' '.join(given)}"), line
+
+
+@pytest.mark.parametrize("content", [b"", b"{\"not\": \"a tokenizer\"}", b"\xff\xfe"])
+def test_tokenizer_model_that_is_no_tokenizer_names_the_flag(capsys, tiny_data, tmp_path, content):
+    """--tokenizer-model naming a file that is not a tokenizer.json: one line naming the flag and the file (it was
+    Megatron-LM's 'Unable to instantiate HuggingFace AutoTokenizer' without the flag), the file unchanged."""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_bytes(content)
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", str(tiny_data / "text_text_document"), "--tokenizer-model", str(tok)])
+    assert line.startswith(f"{PROG}: error: --tokenizer-model: ") and str(tok) in line, line
+    assert tok.read_bytes() == content

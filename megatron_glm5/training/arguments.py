@@ -578,7 +578,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
     instead of ``$WORLD_SIZE`` (argument checks without a launcher)."""
     from megatron.training.arguments import parse_args as megatron_parse_args
     from megatron.training.arguments import validate_args
-    from megatron.training.global_vars import set_global_variables, unset_global_variables
+    from megatron.training.global_vars import _build_tokenizer, set_global_variables, unset_global_variables
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -611,7 +611,12 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
         with contextlib.redirect_stdout(megatron_noise):
             validate_args(args, defaults)
             unset_global_variables()  # a second parse in one process (tests) replaces the first
-            set_global_variables(args)
+            set_global_variables(args, build_tokenizer=False)
+            try:  # Megatron-LM's own tokenizer build, its failure named by the flag
+                _build_tokenizer(args)
+            except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
+                raise ArgumentError("--tokenizer-model" if args.tokenizer_model else "--tokenizer-type",
+                                    one_line(e)) from None
     except ArgumentError as e:
         fail(str(e), prog)
     except (AssertionError, ValueError, RuntimeError) as e:
