@@ -696,3 +696,17 @@ def test_tar_image_of_another_format_is_one_line_not_a_text_only_sample(tmp_path
     _tar(ok, [("s0.json", qa, "file"), ("s0.txt", b"caption", "file"), ("s0.cls", b"3", "file")])
     rec, = read_webdataset(str(ok))
     assert rec.image is None and (rec.question, rec.answer) == ("q", "a")
+
+
+@pytest.mark.parametrize("blob, phrase", [(b"", "unreadable image (an empty file)"),
+                                          (b"plain text, no image", "unreadable image (not an image file PIL recognises)")])
+def test_empty_or_non_image_file_is_one_line_naming_it_without_an_object_address(data, tmp_path, blob, phrase):
+    from megatron_glm5.data.vqa import VQADocuments, build_image_processor, read_vqa_records
+
+    cfg = tiny_config()
+    d = _vqa_dir(tmp_path, {"x.png": blob})
+    (d / "one.jsonl").write_text(json.dumps({"image": "x.png", "question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(DataError) as e:
+        VQADocuments(read_vqa_records([str(d / "one.jsonl")]), data.tok, cfg, build_image_processor(cfg.vision))
+    assert str(e.value) == f"{d / 'x.png'}: {phrase}", e.value
+    assert (d / "x.png").read_bytes() == blob

@@ -80,12 +80,17 @@ class ImageRef:
             return f.read(self.size)
 
     def _open(self):
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
         size = self.size if self.size >= 0 else os.path.getsize(self.path)
         if size > MAX_IMAGE_BYTES:
             raise DataError(f"{self.name}: image file of {size} bytes, more than {MAX_IMAGE_BYTES}")
-        img = Image.open(io.BytesIO(self.read()))
+        if size == 0:
+            raise DataError(f"{self.name}: unreadable image (an empty file)")
+        try:
+            img = Image.open(io.BytesIO(self.read()))
+        except UnidentifiedImageError:  # its message names the BytesIO object, not the file
+            raise DataError(f"{self.name}: unreadable image (not an image file PIL recognises)") from None
         w, h = img.size
         if w * h > MAX_IMAGE_PIXELS:
             raise DataError(f"{self.name}: image of {w} x {h} pixels, more than {MAX_IMAGE_PIXELS} (a decompression "
