@@ -544,3 +544,15 @@ def test_tokenizer_model_that_is_no_tokenizer_names_the_flag(capsys, tiny_data, 
         "--data-path", str(tiny_data / "text_text_document"), "--tokenizer-model", str(tok)])
     assert line.startswith(f"{PROG}: error: --tokenizer-model: ") and str(tok) in line, line
     assert tok.read_bytes() == content
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dcp", "fsdp_dtensor"])
+@pytest.mark.parametrize("flag", ["--save", "--load"])
+def test_checkpoint_format_other_than_torch_dist_is_refused_before_any_work(capsys, tmp_path, fmt, flag):
+    """--ckpt-format torch wrote legacy pickled checkpoints (exit 0) that no later run of this trainer loads; every
+    format but torch_dist is refused up front, nothing written."""
+    extra = [flag, str(tmp_path / "ck")] + (["--save-interval", "2"] if flag == "--save" else [])
+    line = _parse_error(capsys, BASE + extra + ["--ckpt-format", fmt])
+    assert line.startswith(f"{PROG}: error: --ckpt-format: {fmt}: this trainer writes and reads torch_dist "
+                           f"checkpoints only"), line
+    assert os.listdir(tmp_path) == []

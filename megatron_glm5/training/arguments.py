@@ -425,6 +425,10 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
     if args.dataset_type == "vqa":
         _require(args.dataloader_type in (None, "external"), "--dataloader-type",
                  "packed image+text rows come from the project's own loader: leave it out (external)")
+    if args.save or args.load or args.pretrained_checkpoint:  # the only format the checks and manifests cover
+        _require(getattr(args, "ckpt_format", "torch_dist") == "torch_dist", "--ckpt-format",
+                 f"{args.ckpt_format}: this trainer writes and reads torch_dist checkpoints only (Megatron-LM's "
+                 "default; verified on load without unpickling code): leave --ckpt-format out")
     _check_checkpoints(args, hf)
     if args.save and os.path.exists(args.save):
         _require(os.path.isdir(args.save), "--save", f"{args.save} exists and is not a directory")
