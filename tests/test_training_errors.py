@@ -556,3 +556,9 @@ def test_checkpoint_format_other_than_torch_dist_is_refused_before_any_work(caps
     assert line.startswith(f"{PROG}: error: --ckpt-format: {fmt}: this trainer writes and reads torch_dist "
                            f"checkpoints only"), line
     assert os.listdir(tmp_path) == []
+
+
+def test_train_iters_and_train_samples_together_name_both_flags(capsys):
+    """Megatron-LM refused the pair with 'expected iteration-based training', naming neither flag."""
+    line = _parse_error(capsys, BASE + ["--train-samples", "8"])
+    assert line == f"{PROG}: error: --train-samples: give either --train-iters or --train-samples, not both", line

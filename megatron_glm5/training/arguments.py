@@ -522,6 +522,8 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     _require(args.seq_length is not None and args.seq_length >= 2, "--seq-length", "required, >= 2")
     _require((args.train_iters or 0) >= 1 or (args.train_samples or 0) >= 1, "--train-iters",
              "required, >= 1 (or --train-samples)")
+    _require(not (args.train_iters and args.train_samples), "--train-samples",
+             "give either --train-iters or --train-samples, not both")
     _require(args.lr is not None, "--lr", "required")
     _require(0 <= args.min_lr <= args.lr, "--min-lr", f"must lie in [0, --lr={args.lr}]")
     if args.train_iters and args.lr_warmup_fraction is None:
