@@ -562,3 +562,18 @@ def test_train_iters_and_train_samples_together_name_both_flags(capsys):
     """Megatron-LM refused the pair with 'expected iteration-based training', naming neither flag."""
     line = _parse_error(capsys, BASE + ["--train-samples", "8"])
     assert line == f"{PROG}: error: --train-samples: give either --train-iters or --train-samples, not both", line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_stdout_on_a_full_disk_is_one_line():
+    """stdout redirected to a full disk: megatron's log lines raised a '--- Logging error ---' traceback each; now
+    the first failed write of stdout ends the run with one line, exit 1."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", MEGATRON_GLM5_CHECK_ARGS="1",
+               OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py")] + BASE, cwd=REPO, env=env,
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [f"{PROG}: error: No space left on device"], \
+        proc.stderr[-3000:]

@@ -26,6 +26,9 @@ def _quiet_megatron() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # data-loader workers
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+    # a log line that cannot be written (stdout on a full disk) is not a traceback per line: the run's own next
+    # write of stdout fails with ENOSPC and ends the run with one line
+    logging.raiseExceptions = False
 
 
 def _last_checkpoint(save: Optional[str]) -> str:
