@@ -710,3 +710,15 @@ def test_empty_or_non_image_file_is_one_line_naming_it_without_an_object_address
         VQADocuments(read_vqa_records([str(d / "one.jsonl")]), data.tok, cfg, build_image_processor(cfg.vision))
     assert str(e.value) == f"{d / 'x.png'}: {phrase}", e.value
     assert (d / "x.png").read_bytes() == blob
+
+
+def test_preprocess_output_prefix_naming_a_folder_is_one_line(data, tmp_path, capsys):
+    """--output-prefix DIR/ wrote DIR/_text_document.bin/.idx (hidden-looking names, exit 0); now one line with the
+    prefix to give, nothing written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = preprocess_data.main(["--input", data.jsonl, "--tokenizer-model", data.tok_path, "--output-prefix",
+                               str(out) + os.sep, "--log-interval", "0"])
+    _one_line(capsys.readouterr().err, f"preprocess_data: error: --output-prefix: {out}{os.sep} names a folder",
+              str(out / "corpus"))
+    assert rc == 2 and os.listdir(out) == []
