@@ -577,3 +577,14 @@ def test_stdout_on_a_full_disk_is_one_line():
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stderr.splitlines() == [f"{PROG}: error: No space left on device"], \
         proc.stderr[-3000:]
+
+
+def test_data_path_folder_instead_of_a_prefix_names_the_prefix_to_give(capsys, tiny_data, tmp_path):
+    """--data-path DIR for indexed text said 'missing data file DIR.bin'; now it names the prefix inside DIR."""
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", str(tiny_data), "--tokenizer-model", str(tiny_data)])
+    assert line == (f"{PROG}: error: --data-path: {tiny_data} is a folder; give the prefix of its PREFIX.bin / "
+                    f"PREFIX.idx, e.g. {tiny_data / 'text_text_document'}"), line
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", str(tmp_path), "--tokenizer-model", str(tiny_data)])
+    assert line.endswith("(it holds no .idx; write them with tools/preprocess_data.py)"), line

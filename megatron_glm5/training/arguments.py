@@ -412,6 +412,11 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
              "mock data is text: leave out --dataset-type vqa")
     for f in files:
         if args.dataset_type == "gpt":
+            if os.path.isdir(f) and not os.path.isfile(f + ".idx"):
+                found = sorted(n[:-len(".idx")] for n in os.listdir(f) if n.endswith(".idx"))[:3]
+                raise ArgumentError("--data-path", f"{f} is a folder; give the prefix of its PREFIX.bin / PREFIX.idx"
+                                    + (f", e.g. {os.path.join(f, found[0])}" if found else
+                                       " (it holds no .idx; write them with tools/preprocess_data.py)"))
             for ext in (".bin", ".idx"):
                 _require(os.path.isfile(f + ext), "--data-path", f"missing data file {f + ext}")
         else:
