@@ -12,7 +12,8 @@ keep Megatron-LM's checkpoint writer from replacing or deleting what this run di
     SAVE/non_persistent/                     Megatron-LM's --non-persistent-ckpt-type global (a save root itself)
     SAVE/latest_checkpointed_iteration.txt.tmp-PID   a tracker write that was killed
 
-plus the folder of ``--tensorboard-dir`` / ``--wandb-save-dir`` when the user put it inside SAVE. Anything else
+plus the folder of ``--tensorboard-dir`` / ``--wandb-save-dir`` / ``--data-cache-path`` when the user put it inside
+SAVE (a run writes them there; its resume must accept them). Anything else
 (a data set, an HF checkpoint, a converter output (``release/``, ``checksums.sha256``), a link, a foreign file or
 folder) makes SAVE no save root: :func:`check_save_target` refuses it with one line before any work.
 
@@ -203,7 +204,8 @@ def check_save_dir(save: str, args, flag: str = "--save") -> None:
                     "another folder")
         raise SaveGuardError(msg) from None
     if os.path.isdir(save):
-        extra = _inside_names(save, [getattr(args, "tensorboard_dir", None), getattr(args, "wandb_save_dir", None)])
+        extra = _inside_names(save, [getattr(args, "tensorboard_dir", None), getattr(args, "wandb_save_dir", None),
+                                     getattr(args, "data_cache_path", None)])
         try:
             tracked, iters = save_root_contents(save, extra)
         except SaveGuardError as e:
