@@ -588,3 +588,10 @@ def test_data_path_folder_instead_of_a_prefix_names_the_prefix_to_give(capsys, t
     line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
         "--data-path", str(tmp_path), "--tokenizer-model", str(tiny_data)])
     assert line.endswith("(it holds no .idx; write them with tools/preprocess_data.py)"), line
+
+
+def test_fp16_is_refused_before_any_work(capsys):
+    """--fp16 alone passed the checks and ended in megatron-core's 'Either config.fp16 or config.bf16 should be
+    True' traceback when the model was wrapped: this model's config carries bf16 or fp32 only."""
+    line = _parse_error(capsys, BASE + ["--fp16"])
+    assert line == f"{PROG}: error: --fp16: this model trains in bf16 (--bf16) or fp32, not fp16", line

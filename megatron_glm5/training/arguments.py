@@ -621,6 +621,9 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             raise ArgumentError("model config", _flag_names(one_line(e))) from None
         with contextlib.redirect_stdout(megatron_noise):
             validate_args(args, defaults)
+            # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
+            # only, and megatron-core's Float16Module refused an fp16 model with a traceback
+            _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
             unset_global_variables()  # a second parse in one process (tests) replaces the first
             set_global_variables(args, build_tokenizer=False)
             try:  # Megatron-LM's own tokenizer build, its failure named by the flag
