@@ -595,3 +595,12 @@ def test_fp16_is_refused_before_any_work(capsys):
     True' traceback when the model was wrapped: this model's config carries bf16 or fp32 only."""
     line = _parse_error(capsys, BASE + ["--fp16"])
     assert line == f"{PROG}: error: --fp16: this model trains in bf16 (--bf16) or fp32, not fp16", line
+
+
+def test_pretrained_checkpoint_that_is_an_hf_checkpoint_says_to_convert_it(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    line = _parse_error(capsys, BASE + ["--pretrained-checkpoint", str(tmp_path)])
+    assert line == (f"{PROG}: error: --pretrained-checkpoint: no checkpoint in {tmp_path} (no "
+                    f"latest_checkpointed_iteration.txt); it holds an HF checkpoint: convert it with "
+                    f"tools/convert_hf_to_mcore.py and give the converter's --out"), line

@@ -374,7 +374,11 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
         try:
             ckpt = checkpoint_in(path)
             if ckpt is None and flag == "pretrained_checkpoint":
-                raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt)")
+                hint = ""
+                if os.path.isfile(os.path.join(path, "config.json")):  # what a user passes most by mistake
+                    hint = ("; it holds an HF checkpoint: convert it with tools/convert_hf_to_mcore.py and give "
+                            "the converter's --out")
+                raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt){hint}")
             if ckpt is not None:
                 check_architecture(ckpt, hf)
                 check_checkpoint_folder(ckpt)
