@@ -722,3 +722,27 @@ def test_preprocess_output_prefix_naming_a_folder_is_one_line(data, tmp_path, ca
     _one_line(capsys.readouterr().err, f"preprocess_data: error: --output-prefix: {out}{os.sep} names a folder",
               str(out / "corpus"))
     assert rc == 2 and os.listdir(out) == []
+
+
+_INTERRUPT_IMPORT = r"""
+import sys
+
+class CtrlC:  # the user's Ctrl-C arrives while megatron_glm5.config (torch) is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron_glm5.config":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlC())
+from megatron_glm5.cli import make_tiny_data
+sys.exit(make_tiny_data.main(["--out", sys.argv[1]]))
+"""
+
+
+def test_make_tiny_data_ctrl_c_while_torch_loads_is_one_line(tmp_path):
+    """Ctrl-C in the first seconds of make_tiny_data (run_cli imported torch outside its handler): one line, exit
+    130, nothing written."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_IMPORT, str(tmp_path / "tiny")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and proc.stderr.splitlines() == ["make_tiny_data: error: interrupted"], proc.stderr
+    assert os.listdir(tmp_path) == []
