@@ -641,3 +641,108 @@ def test_unwritable_index_cache_folder_is_one_line(data, tmp_path, monkeypatch):
         build_train_valid_test_datasets(_args(data_path=[prefix], data_cache_path=str(tmp_path / "cache")),
                                         tiny_config(), data.tok)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dataset_type, split", [("gpt", "100,0,0"), ("gpt", "999,1,0"), ("vqa", "1,0,0")])
+def test_validation_asked_for_and_no_validation_split_is_one_line(data, tmp_path, dataset_type, split):
+    """--eval-iters > 0 with a --split that leaves the validation split empty (a 0 weight, or too few documents for
+    its share): refused before training, naming both flags (Megatron-LM would start validation on no loader and
+    fail with a TypeError at the first --eval-interval)."""
+    path = _copy_corpus(data, tmp_path) if dataset_type == "gpt" else str(data.dir / "vqa" / "vqa.jsonl")
+    args = _args(data_path=[path], split=split, eval_iters=2, dataset_type=dataset_type, seq_length=64,
+                 data_cache_path=str(tmp_path / "cache"))
+    before = _hashes(path)
+    with pytest.raises(DataError) as info:
+        build_train_valid_test_datasets(args, tiny_config(), data.tok)
+    assert str(info.value).startswith(f"--eval-iters 2: --split {split} leaves no validation data"), info.value
+    assert _hashes(path) == before
+    # the same data with a validation share that holds documents builds one
+    args.split = "1,1,0"
+    assert build_train_valid_test_datasets(args, tiny_config(), data.tok)[1] is not None
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63)])
+def test_make_tiny_data_bad_seed_names_seed_and_writes_nothing(tmp_path, capsys, seed):
+    """A seed numpy's generator refuses: one line naming --seed (it was reported as a --vocab-size error)."""
+    out = tmp_path / "tiny"
+    with pytest.raises(SystemExit) as exc:
+        make_tiny_data.main(["--out", str(out), "--text-docs", "2", "--vqa-docs", "1", "--seed", seed])
+    assert exc.value.code == 2
+    _one_line(capsys.readouterr().err, "make_tiny_data: error: --seed must lie in [0, 2**63)", seed)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("ext, fmt", [("bmp", "BMP"), ("gif", "GIF"), ("tif", "TIFF"), ("image.bmp", "BMP")])
+def test_tar_image_of_another_format_is_one_line_not_a_text_only_sample(tmp_path, ext, fmt):
+    """A tar sample whose image is a BMP / GIF / TIFF (formats the reader does not take) was read as a text-only
+    sample and trained without its image, exit 0; now one line naming the member. Other extensions (.txt, .cls)
+    stay ignored fields."""
+    from PIL import Image
+
+    from megatron_glm5.data.vqa import read_webdataset
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (0, 255, 0)).save(buf, format=fmt)
+    qa = json.dumps({"question": "q", "answer": "a"}).encode()
+    bad = tmp_path / "bad.tar"
+    _tar(bad, [("s0.json", qa, "file"), (f"s0.{ext}", buf.getvalue(), "file")])
+    before = _hashes(bad)
+    with pytest.raises(DataError) as info:
+        read_webdataset(str(bad))
+    assert str(info.value) == (f"{bad}: member s0.{ext} is an image of a format this reader does not take "
+                               f"(jpg, jpeg, png, webp); convert it, or the sample has no image"), info.value
+    assert _hashes(bad) == before
+    ok = tmp_path / "ok.tar"
+    _tar(ok, [("s0.json", qa, "file"), ("s0.txt", b"caption", "file"), ("s0.cls", b"3", "file")])
+    rec, = read_webdataset(str(ok))
+    assert rec.image is None and (rec.question, rec.answer) == ("q", "a")
+
+
+@pytest.mark.parametrize("blob, phrase", [(b"", "unreadable image (an empty file)"),
+                                          (b"plain text, no image", "unreadable image (not an image file PIL recognises)")])
+def test_empty_or_non_image_file_is_one_line_naming_it_without_an_object_address(data, tmp_path, blob, phrase):
+    from megatron_glm5.data.vqa import VQADocuments, build_image_processor, read_vqa_records
+
+    cfg = tiny_config()
+    d = _vqa_dir(tmp_path, {"x.png": blob})
+    (d / "one.jsonl").write_text(json.dumps({"image": "x.png", "question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(DataError) as e:
+        VQADocuments(read_vqa_records([str(d / "one.jsonl")]), data.tok, cfg, build_image_processor(cfg.vision))
+    assert str(e.value) == f"{d / 'x.png'}: {phrase}", e.value
+    assert (d / "x.png").read_bytes() == blob
+
+
+def test_preprocess_output_prefix_naming_a_folder_is_one_line(data, tmp_path, capsys):
+    """--output-prefix DIR/ wrote DIR/_text_document.bin/.idx (hidden-looking names, exit 0); now one line with the
+    prefix to give, nothing written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = preprocess_data.main(["--input", data.jsonl, "--tokenizer-model", data.tok_path, "--output-prefix",
+                               str(out) + os.sep, "--log-interval", "0"])
+    _one_line(capsys.readouterr().err, f"preprocess_data: error: --output-prefix: {out}{os.sep} names a folder",
+              str(out / "corpus"))
+    assert rc == 2 and os.listdir(out) == []
+
+
+_INTERRUPT_IMPORT = r"""
+import sys
+
+class CtrlC:  # the user's Ctrl-C arrives while megatron_glm5.config (torch) is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron_glm5.config":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlC())
+from megatron_glm5.cli import make_tiny_data
+sys.exit(make_tiny_data.main(["--out", sys.argv[1]]))
+"""
+
+
+def test_make_tiny_data_ctrl_c_while_torch_loads_is_one_line(tmp_path):
+    """Ctrl-C in the first seconds of make_tiny_data (run_cli imported torch outside its handler): one line, exit
+    130, nothing written."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_IMPORT, str(tmp_path / "tiny")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and proc.stderr.splitlines() == ["make_tiny_data: error: interrupted"], proc.stderr
+    assert os.listdir(tmp_path) == []

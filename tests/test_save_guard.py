@@ -138,10 +138,11 @@ def test_a_save_folder_with_the_runs_own_files_is_accepted(base, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(base["ckpt"], ckpt)
     (ckpt / "tb").mkdir()
-    (ckpt / "progress.txt").write_text("")
+    (ckpt / "cache" / "GPTDataset_indices").mkdir(parents=True)  # --data-cache-path inside --save: the first run
+    (ckpt / "progress.txt").write_text("")                       # passed and wrote it, so must its resume
     (ckpt / (TRACKER + ".tmp-123")).write_text("4")
-    args = parse_args(COMMON + ["--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(ckpt / "tb")],
-                      world_size=1)
+    args = parse_args(COMMON + ["--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(ckpt / "tb"),
+                                "--data-cache-path", str(ckpt / "cache")], world_size=1)
     assert args.save == str(ckpt)
 
 

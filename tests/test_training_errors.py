@@ -461,3 +461,146 @@ def test_weight_range_guard_bounds_hold_and_fall_back_to_the_exact_trial(make):
     assert expected is False
     assert guard.keeps_within(norm) is expected
     assert (guard.measured, guard.tried) == (2, 1)
+
+
+# ---------------------------------------------------------------------------- the launcher's environment
+@pytest.mark.parametrize("env, phrase", [
+    ({"RANK": "abc"}, "$RANK='abc' is not an integer"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "$RANK=1 is not below $WORLD_SIZE=1"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "$WORLD_SIZE='0' is out of range"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "$MASTER_PORT is not set but $RANK is"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "70000"}, "$MASTER_PORT='70000' is out of range"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}, "$MASTER_ADDR is not set but $RANK is"),
+    ({"RANK": "-1", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}, "$RANK='-1' is out of range"),
+])
+def test_launcher_environment_that_cannot_start_a_run_is_one_line_at_once(capsys, monkeypatch, env, phrase):
+    """$RANK / $WORLD_SIZE / $MASTER_* set by hand (not by torchrun) and unusable: one line from the process itself
+    (its rank is unknown: no wait for a rank 0), exit 2, before torch or megatron is touched."""
+    import time
+
+    from megatron_glm5.training import entry
+
+    for var in entry._LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    start = time.monotonic()
+    code = entry.run_pretrain(None, None, None, argv=BASE, prog=PROG)
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{PROG}: error: {phrase}"), err
+    assert "unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in err[0]
+    assert time.monotonic() - start < 5
+
+
+def test_launcher_environment_of_torchrun_passes():
+    from megatron_glm5.training.entry import launcher_env_error
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        assert launcher_env_error() is None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.parametrize("flag", ["--tensorboard-dir", "--data-cache-path", "--wandb-save-dir"])
+@pytest.mark.parametrize("under", [False, True])
+def test_output_folder_that_is_a_file_is_one_line(capsys, tmp_path, flag, under):
+    """A folder Megatron-LM creates (TensorBoard events, dataset index caches, W&B files) given as an existing file,
+    or below one: refused before any work (TensorBoard's makedirs raised FileExistsError with a traceback), the
+    file unchanged."""
+    f = tmp_path / "notes.txt"
+    f.write_bytes(b"mine")
+    path = str(f / "sub") if under else str(f)
+    line = _parse_error(capsys, BASE + [flag, path])
+    assert line == f"{PROG}: error: {flag}: {path}: {f} exists and is not a folder", line
+    assert f.read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("layout", [["1", "P", "2"], ["P", "1"], ["1", "P", "P"], ["P", "1", "P", "2"]])
+def test_data_path_weights_not_in_weight_prefix_pairs_are_one_line(capsys, tiny_data, layout):
+    """Weights that are not WEIGHT PREFIX pairs: megatron-core reads every item as a prefix and fails on '1.bin'
+    after start-up; refused with the expected form before any work."""
+    prefix = str(tiny_data / "text_text_document")
+    given = [prefix if x == "P" else x for x in layout]
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + ["--data-path", *given,
+                                                                           "--tokenizer-model", str(tiny_data)])
+    assert line == (f"{PROG}: error: --data-path: expected PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX ...], "
+                    f"got {' '.join(given)}"), line
+
+
+@pytest.mark.parametrize("content", [b"", b"{\"not\": \"a tokenizer\"}", b"\xff\xfe"])
+def test_tokenizer_model_that_is_no_tokenizer_names_the_flag(capsys, tiny_data, tmp_path, content):
+    """--tokenizer-model naming a file that is not a tokenizer.json: one line naming the flag and the file (it was
+    Megatron-LM's 'Unable to instantiate HuggingFace AutoTokenizer' without the flag), the file unchanged."""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_bytes(content)
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", str(tiny_data / "text_text_document"), "--tokenizer-model", str(tok)])
+    assert line.startswith(f"{PROG}: error: --tokenizer-model: ") and str(tok) in line, line
+    assert tok.read_bytes() == content
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dcp", "fsdp_dtensor"])
+@pytest.mark.parametrize("flag", ["--save", "--load"])
+def test_checkpoint_format_other_than_torch_dist_is_refused_before_any_work(capsys, tmp_path, fmt, flag):
+    """--ckpt-format torch wrote legacy pickled checkpoints (exit 0) that no later run of this trainer loads; every
+    format but torch_dist is refused up front, nothing written."""
+    extra = [flag, str(tmp_path / "ck")] + (["--save-interval", "2"] if flag == "--save" else [])
+    line = _parse_error(capsys, BASE + extra + ["--ckpt-format", fmt])
+    assert line.startswith(f"{PROG}: error: --ckpt-format: {fmt}: this trainer writes and reads torch_dist "
+                           f"checkpoints only"), line
+    assert os.listdir(tmp_path) == []
+
+
+def test_train_iters_and_train_samples_together_name_both_flags(capsys):
+    """Megatron-LM refused the pair with 'expected iteration-based training', naming neither flag."""
+    line = _parse_error(capsys, BASE + ["--train-samples", "8"])
+    assert line == f"{PROG}: error: --train-samples: give either --train-iters or --train-samples, not both", line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_stdout_on_a_full_disk_is_one_line():
+    """stdout redirected to a full disk: megatron's log lines raised a '--- Logging error ---' traceback each; now
+    the first failed write of stdout ends the run with one line, exit 1."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", MEGATRON_GLM5_CHECK_ARGS="1",
+               OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py")] + BASE, cwd=REPO, env=env,
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [f"{PROG}: error: No space left on device"], \
+        proc.stderr[-3000:]
+
+
+def test_data_path_folder_instead_of_a_prefix_names_the_prefix_to_give(capsys, tiny_data, tmp_path):
+    """--data-path DIR for indexed text said 'missing data file DIR.bin'; now it names the prefix inside DIR."""
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", str(tiny_data), "--tokenizer-model", str(tiny_data)])
+    assert line == (f"{PROG}: error: --data-path: {tiny_data} is a folder; give the prefix of its PREFIX.bin / "
+                    f"PREFIX.idx, e.g. {tiny_data / 'text_text_document'}"), line
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", str(tmp_path), "--tokenizer-model", str(tiny_data)])
+    assert line.endswith("(it holds no .idx; write them with tools/preprocess_data.py)"), line
+
+
+def test_fp16_is_refused_before_any_work(capsys):
+    """--fp16 alone passed the checks and ended in megatron-core's 'Either config.fp16 or config.bf16 should be
+    True' traceback when the model was wrapped: this model's config carries bf16 or fp32 only."""
+    line = _parse_error(capsys, BASE + ["--fp16"])
+    assert line == f"{PROG}: error: --fp16: this model trains in bf16 (--bf16) or fp32, not fp16", line
+
+
+def test_pretrained_checkpoint_that_is_an_hf_checkpoint_says_to_convert_it(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    line = _parse_error(capsys, BASE + ["--pretrained-checkpoint", str(tmp_path)])
+    assert line == (f"{PROG}: error: --pretrained-checkpoint: no checkpoint in {tmp_path} (no "
+                    f"latest_checkpointed_iteration.txt); it holds an HF checkpoint: convert it with "
+                    f"tools/convert_hf_to_mcore.py and give the converter's --out"), line

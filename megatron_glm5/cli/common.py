@@ -47,23 +47,27 @@ def quiet_library_warnings() -> None:
 
 
 def run_cli(prog: str, body: Callable[[], Optional[int]]) -> int:
-    """Run ``body`` and turn its exceptions into one stderr line and an exit code."""
-    from megatron_glm5.config import Glm5ConfigError
+    """Run ``body`` and turn its exceptions into one stderr line and an exit code (a Ctrl-C while torch is still
+    being imported included)."""
 
     def fail(msg: str, code: int) -> int:
         print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
         return code
 
+    user_errors = (CheckpointError,)
     try:
+        from megatron_glm5.config import Glm5ConfigError  # imports torch: seconds
+
+        user_errors = (CheckpointError, Glm5ConfigError)
         return body() or 0
-    except (CheckpointError, Glm5ConfigError) as e:
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    except user_errors as e:
         return fail(one_line(e), 2)
     except OSError as e:  # missing file, no permission, disk full ...
         return fail(one_line(e), 2)
     except MemoryError:
         return fail("out of memory", 2)
-    except KeyboardInterrupt:
-        return fail("interrupted", 130)
     except Exception as e:  # noqa: BLE001 - the last line of defence: never a traceback on the console
         if os.environ.get(TRACEBACK_ENV):
             raise

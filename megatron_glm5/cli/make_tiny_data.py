@@ -39,6 +39,8 @@ def main(argv=None) -> int:
         p.error("--text-docs and --vqa-docs must be >= 1")
     if args.vocab_size < 1:
         p.error(f"--vocab-size must be positive, got {args.vocab_size}")
+    if not 0 <= args.seed < 2**63:  # numpy's default_rng
+        p.error(f"--seed must lie in [0, 2**63), got {args.seed}")
     from megatron_glm5.cli.common import quiet_library_warnings, run_cli
 
     quiet_library_warnings()

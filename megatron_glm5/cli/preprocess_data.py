@@ -97,6 +97,9 @@ def preprocess(args) -> dict:
 
     if not os.path.isfile(args.input):
         raise DataError(f"--input: {args.input} not found")
+    if not os.path.basename(args.output_prefix):  # 'DIR/' would write DIR/_text_document.bin
+        raise DataError(f"--output-prefix: {args.output_prefix} names a folder, not a file name prefix: give e.g. "
+                        f"{os.path.join(args.output_prefix, 'corpus')}")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
         raise DataError(f"--output-prefix: directory {out_dir} does not exist")

@@ -13,7 +13,8 @@ Three sources, chosen by ``args``:
 
 Sample counts follow Megatron-LM: train ``train_iters * global_batch_size`` (or ``train_samples``), valid
 ``(train_iters // eval_interval + 1) * eval_iters * global_batch_size``, test ``eval_iters * global_batch_size``.
-A split that gets no documents (e.g. the ``1`` of ``949,50,1`` on a small corpus) or no samples is ``None``.
+A split that gets no documents (e.g. the ``1`` of ``949,50,1`` on a small corpus) or no samples is ``None``; a run
+that asks for validation samples (``--eval-iters`` > 0) and gets no validation split is refused.
 Bad input raises :class:`~megatron_glm5.data.DataError` (one line naming the flag or file) before anything is built:
 every ``.bin`` / ``.idx`` pair is checked first (:func:`megatron_glm5.data.indexed.check_indexed_dataset`); the
 index caches are megatron-core's, read without pickle and checked (:mod:`megatron_glm5.data.index_cache`).
@@ -216,5 +217,11 @@ def build_train_valid_test_datasets(args, model_config, tokenizer, sizes=None):
         raise DataError("--data-path is required (or --mock-data)")
     _check_tokenizer(tokenizer, model_config)
     if dataset_type == "vqa":
-        return _build_vqa(args, model_config, tokenizer, sizes)
-    return _build_gpt(args, model_config, tokenizer, sizes, mock=False)
+        datasets = _build_vqa(args, model_config, tokenizer, sizes)
+    else:
+        datasets = _build_gpt(args, model_config, tokenizer, sizes, mock=False)
+    if sizes[1] > 0 and datasets[1] is None:  # Megatron-LM would run validation on no loader and fail mid-run
+        raise DataError(f"--eval-iters {getattr(args, 'eval_iters', None)}: --split {args.split} leaves no "
+                        f"validation data in --data-path: give the validation split a weight that holds documents, "
+                        f"or --eval-iters 0")
+    return datasets

@@ -80,12 +80,17 @@ class ImageRef:
             return f.read(self.size)
 
     def _open(self):
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
         size = self.size if self.size >= 0 else os.path.getsize(self.path)
         if size > MAX_IMAGE_BYTES:
             raise DataError(f"{self.name}: image file of {size} bytes, more than {MAX_IMAGE_BYTES}")
-        img = Image.open(io.BytesIO(self.read()))
+        if size == 0:
+            raise DataError(f"{self.name}: unreadable image (an empty file)")
+        try:
+            img = Image.open(io.BytesIO(self.read()))
+        except UnidentifiedImageError:  # its message names the BytesIO object, not the file
+            raise DataError(f"{self.name}: unreadable image (not an image file PIL recognises)") from None
         w, h = img.size
         if w * h > MAX_IMAGE_PIXELS:
             raise DataError(f"{self.name}: image of {w} x {h} pixels, more than {MAX_IMAGE_PIXELS} (a decompression "
@@ -189,10 +194,20 @@ def _field(ext: str) -> Optional[str]:
     return "json" if last == "json" else "image" if last in IMAGE_EXTENSIONS else None
 
 
+def _other_image_format(ext: str) -> bool:
+    """Whether a member's extension names an image format PIL reads that is not one of :data:`IMAGE_EXTENSIONS`
+    (``bmp``, ``gif``, ``tif``, ...)."""
+    from PIL import Image
+
+    Image.init()
+    fmt = Image.registered_extensions().get("." + ext.rsplit(".", 1)[-1])
+    return fmt is not None and fmt in Image.OPEN and ext.rsplit(".", 1)[-1] not in IMAGE_EXTENSIONS
+
+
 def read_webdataset(path: str) -> List[VQARecord]:
     """Records of a WebDataset tar: per key one ``json`` (question/answer) and at most one image. A member that
-    is not a regular file (a link, a device), a truncated or unreadable tar, a second image or json of a key is
-    refused in one line."""
+    is not a regular file (a link, a device), an image of another format than :data:`IMAGE_EXTENSIONS`, a truncated
+    or unreadable tar, a second image or json of a key is refused in one line."""
     try:
         size = os.path.getsize(path)
         tf = tarfile.open(path, "r:")
@@ -205,7 +220,12 @@ def read_webdataset(path: str) -> List[VQARecord]:
                 key, ext = _split_key(m.name)
                 field = _field(ext)
                 where = f"{path}:{key}"
-                if field is None or m.isdir():
+                if m.isdir():
+                    continue
+                if field is None:
+                    if _other_image_format(ext):  # else the sample would train without its image
+                        raise DataError(f"{path}: member {m.name} is an image of a format this reader does not take "
+                                        f"({', '.join(IMAGE_EXTENSIONS)}); convert it, or the sample has no image")
                     continue
                 if not m.isreg() or m.issparse():
                     raise DataError(f"{path}: member {m.name} is not a regular file (a link or special file); "

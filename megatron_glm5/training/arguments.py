@@ -374,7 +374,11 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
         try:
             ckpt = checkpoint_in(path)
             if ckpt is None and flag == "pretrained_checkpoint":
-                raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt)")
+                hint = ""
+                if os.path.isfile(os.path.join(path, "config.json")):  # what a user passes most by mistake
+                    hint = ("; it holds an HF checkpoint: convert it with tools/convert_hf_to_mcore.py and give "
+                            "the converter's --out")
+                raise CheckpointDirError(f"no checkpoint in {path} (no latest_checkpointed_iteration.txt){hint}")
             if ckpt is not None:
                 check_architecture(ckpt, hf)
                 check_checkpoint_folder(ckpt)
@@ -397,6 +401,10 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
                                       f"{args.hf_config or args.model_preset} ({want}); leave it out")
         setattr(args, flag, want)  # over a Megatron-LM default (--moe-router-topk 2)
     files = [f for f in (args.data_path or []) if not _is_number(f)]
+    numbers = [_is_number(f) for f in (args.data_path or [])]
+    if any(numbers) and args.dataset_type == "gpt":  # megatron-core's get_blend_from_list reads the rest as prefixes
+        _require(len(numbers) % 2 == 0 and all(numbers[0::2]) and not any(numbers[1::2]), "--data-path",
+                 f"expected PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX ...], got {' '.join(args.data_path)}")
     for w in (args.data_path or []):
         if _is_number(w):
             _require(math.isfinite(float(w)) and float(w) > 0, "--data-path",
@@ -408,6 +416,11 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
              "mock data is text: leave out --dataset-type vqa")
     for f in files:
         if args.dataset_type == "gpt":
+            if os.path.isdir(f) and not os.path.isfile(f + ".idx"):
+                found = sorted(n[:-len(".idx")] for n in os.listdir(f) if n.endswith(".idx"))[:3]
+                raise ArgumentError("--data-path", f"{f} is a folder; give the prefix of its PREFIX.bin / PREFIX.idx"
+                                    + (f", e.g. {os.path.join(f, found[0])}" if found else
+                                       " (it holds no .idx; write them with tools/preprocess_data.py)"))
             for ext in (".bin", ".idx"):
                 _require(os.path.isfile(f + ext), "--data-path", f"missing data file {f + ext}")
         else:
@@ -421,12 +434,21 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
     if args.dataset_type == "vqa":
         _require(args.dataloader_type in (None, "external"), "--dataloader-type",
                  "packed image+text rows come from the project's own loader: leave it out (external)")
+    if args.save or args.load or args.pretrained_checkpoint:  # the only format the checks and manifests cover
+        _require(getattr(args, "ckpt_format", "torch_dist") == "torch_dist", "--ckpt-format",
+                 f"{args.ckpt_format}: this trainer writes and reads torch_dist checkpoints only (Megatron-LM's "
+                 "default; verified on load without unpickling code): leave --ckpt-format out")
     _check_checkpoints(args, hf)
     if args.save and os.path.exists(args.save):
         _require(os.path.isdir(args.save), "--save", f"{args.save} exists and is not a directory")
-    from megatron_glm5.training.save_guard import check_save_target  # --save loses nothing
+    from megatron_glm5.training.save_guard import check_save_target, existing_folder  # --save loses nothing
 
     check_save_target(args)
+    for flag in ("--tensorboard-dir", "--wandb-save-dir", "--data-cache-path"):  # folders Megatron-LM creates
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path:
+            _, blocked = existing_folder(path)
+            _require(blocked is None, flag, f"{path}: {blocked} exists and is not a folder")
     if args.eval_interval is None:
         _require(args.eval_iters == 0, "--eval-interval",
                  f"required with --eval-iters {args.eval_iters} (--eval-iters 0 turns validation off)")
@@ -509,6 +531,8 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     _require(args.seq_length is not None and args.seq_length >= 2, "--seq-length", "required, >= 2")
     _require((args.train_iters or 0) >= 1 or (args.train_samples or 0) >= 1, "--train-iters",
              "required, >= 1 (or --train-samples)")
+    _require(not (args.train_iters and args.train_samples), "--train-samples",
+             "give either --train-iters or --train-samples, not both")
     _require(args.lr is not None, "--lr", "required")
     _require(0 <= args.min_lr <= args.lr, "--min-lr", f"must lie in [0, --lr={args.lr}]")
     if args.train_iters and args.lr_warmup_fraction is None:
@@ -569,7 +593,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
     instead of ``$WORLD_SIZE`` (argument checks without a launcher)."""
     from megatron.training.arguments import parse_args as megatron_parse_args
     from megatron.training.arguments import validate_args
-    from megatron.training.global_vars import set_global_variables, unset_global_variables
+    from megatron.training.global_vars import _build_tokenizer, set_global_variables, unset_global_variables
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -601,8 +625,16 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             raise ArgumentError("model config", _flag_names(one_line(e))) from None
         with contextlib.redirect_stdout(megatron_noise):
             validate_args(args, defaults)
+            # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
+            # only, and megatron-core's Float16Module refused an fp16 model with a traceback
+            _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
             unset_global_variables()  # a second parse in one process (tests) replaces the first
-            set_global_variables(args)
+            set_global_variables(args, build_tokenizer=False)
+            try:  # Megatron-LM's own tokenizer build, its failure named by the flag
+                _build_tokenizer(args)
+            except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
+                raise ArgumentError("--tokenizer-model" if args.tokenizer_model else "--tokenizer-type",
+                                    one_line(e)) from None
     except ArgumentError as e:
         fail(str(e), prog)
     except (AssertionError, ValueError, RuntimeError) as e:

@@ -26,6 +26,9 @@ def _quiet_megatron() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # data-loader workers
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+    # a log line that cannot be written (stdout on a full disk) is not a traceback per line: the run's own next
+    # write of stdout fails with ENOSPC and ends the run with one line
+    logging.raiseExceptions = False
 
 
 def _last_checkpoint(save: Optional[str]) -> str:
@@ -61,6 +64,35 @@ _USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
                           errno.EISDIR})
 
 
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_env_error() -> Optional[str]:
+    """Why the launcher's environment (``$RANK`` ... ``$MASTER_PORT``, what torchrun sets for ``env://``) cannot
+    start a run, or None. Without ``$RANK`` the run is a world of one process and the entry sets them all."""
+    env = os.environ
+    if "RANK" not in env:
+        return None
+    hint = (f"set by a launcher such as torchrun; unset {', '.join(_LAUNCHER_VARS)} to run as a single process")
+    values = {}
+    for name, low in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("MASTER_PORT", 1)):
+        text = env.get(name)
+        if text is None:
+            continue
+        try:
+            values[name] = int(text)
+        except ValueError:
+            return f"${name}={text!r} is not an integer ({hint})"
+        if values[name] < low or (name == "MASTER_PORT" and values[name] > 65535):
+            return f"${name}={text!r} is out of range ({hint})"
+    for name in ("WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        if not env.get(name):
+            return f"${name} is not set but $RANK is ({hint})"
+        if name == "WORLD_SIZE" and values["RANK"] >= values["WORLD_SIZE"]:
+            return f"$RANK={values['RANK']} is not below $WORLD_SIZE={values['WORLD_SIZE']} ({hint})"
+    return None
+
+
 def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable,
                  argv: Optional[List[str]] = None, prog: str = "pretrain_glm5_vlm.py",
                  program_start: Optional[float] = None) -> int:
@@ -72,7 +104,14 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     read-only disk, a missing permission or a missing file) with one line ``PROG: error: ...`` and exit 2 for a flag,
     1 otherwise; both name the last intact checkpoint of ``--save``. Under a launcher only rank 0 prints the line
     (:func:`~megatron_glm5.training.arguments.exit_with_line`); every rank exits non-zero. Any other exception is a
-    bug and keeps its traceback; ``MEGATRON_GLM5_TRACEBACK=1`` shows the traceback of user errors too."""
+    bug and keeps its traceback; ``MEGATRON_GLM5_TRACEBACK=1`` shows the traceback of user errors too. A launcher
+    environment that cannot start a run (:func:`launcher_env_error`) is one line from every process and exit 2."""
+    bad_env = launcher_env_error()
+    if bad_env:  # said by every process: with a broken $RANK none knows whether it is rank 0
+        from megatron_glm5.training.arguments import print_line
+
+        print_line(f"{prog}: error: {bad_env}")
+        return 2
     run = {}
     try:
         return _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)

@@ -12,7 +12,8 @@ keep Megatron-LM's checkpoint writer from replacing or deleting what this run di
     SAVE/non_persistent/                     Megatron-LM's --non-persistent-ckpt-type global (a save root itself)
     SAVE/latest_checkpointed_iteration.txt.tmp-PID   a tracker write that was killed
 
-plus the folder of ``--tensorboard-dir`` / ``--wandb-save-dir`` when the user put it inside SAVE. Anything else
+plus the folder of ``--tensorboard-dir`` / ``--wandb-save-dir`` / ``--data-cache-path`` when the user put it inside
+SAVE (a run writes them there; its resume must accept them). Anything else
 (a data set, an HF checkpoint, a converter output (``release/``, ``checksums.sha256``), a link, a foreign file or
 folder) makes SAVE no save root: :func:`check_save_target` refuses it with one line before any work.
 
@@ -177,6 +178,18 @@ def _not_writable(path: str) -> Optional[str]:
     return os.strerror(errno.EROFS if ro else errno.EACCES)
 
 
+def existing_folder(path: str) -> Tuple[str, Optional[str]]:
+    """(the nearest existing folder at or above ``path``, the first existing non-folder on the way there or None):
+    a folder to be created at ``path`` goes below the first, and cannot be created while there is a second."""
+    where = os.path.abspath(path)
+    blocked = None
+    while not os.path.isdir(where):
+        if os.path.lexists(where):
+            blocked = where
+        where = os.path.dirname(where)
+    return where, blocked
+
+
 def check_save_dir(save: str, args, flag: str = "--save") -> None:
     """The checks of :func:`check_save_target` for one save root; raises :class:`SaveGuardError` naming ``flag``."""
     if _real(save) == os.sep:
@@ -191,18 +204,18 @@ def check_save_dir(save: str, args, flag: str = "--save") -> None:
                     "another folder")
         raise SaveGuardError(msg) from None
     if os.path.isdir(save):
-        extra = _inside_names(save, [getattr(args, "tensorboard_dir", None), getattr(args, "wandb_save_dir", None)])
+        extra = _inside_names(save, [getattr(args, "tensorboard_dir", None), getattr(args, "wandb_save_dir", None),
+                                     getattr(args, "data_cache_path", None)])
         try:
             tracked, iters = save_root_contents(save, extra)
         except SaveGuardError as e:
             raise SaveGuardError(f"{flag} {e}") from None
         where = save
     else:
-        tracked, iters, where = None, [], os.path.dirname(os.path.abspath(save)) or "."
-        while not os.path.isdir(where):
-            if os.path.lexists(where):
-                raise SaveGuardError(f"{flag} {save}: {where} is not a folder")
-            where = os.path.dirname(where)
+        tracked, iters = None, []
+        where, blocked = existing_folder(save)
+        if blocked:
+            raise SaveGuardError(f"{flag} {save}: {blocked} is not a folder")
     why = _not_writable(where)
     if why:
         what = save if where == save else f"{save}: its folder {where}"
