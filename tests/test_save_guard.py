@@ -229,7 +229,7 @@ def test_load_of_a_checkpoint_folder_is_refused_and_ckpt_step_resumes_it(base, t
     shutil.copytree(base["ckpt"], ckpt)
     before = tree_hashes(ckpt)
     line = _parse(["--load", os.path.join(ckpt, "iter_0000002"), "--save", ckpt], capsys)
-    assert "--load" in line and "iter_0000002" in line
+    assert f"--save: {ckpt} contains the input" in line and "iter_0000002" in line, line  # --save is checked first
     assert tree_hashes(ckpt) == before
     proc = run(COMMON + ["--load", ckpt, "--ckpt-step", "2", "--save", str(tmp_path / "from2"),
                          "--tensorboard-dir", str(tmp_path / "tb")])

@@ -438,12 +438,12 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
         _require(getattr(args, "ckpt_format", "torch_dist") == "torch_dist", "--ckpt-format",
                  f"{args.ckpt_format}: this trainer writes and reads torch_dist checkpoints only (Megatron-LM's "
                  "default; verified on load without unpickling code): leave --ckpt-format out")
-    _check_checkpoints(args, hf)
     if args.save and os.path.exists(args.save):
         _require(os.path.isdir(args.save), "--save", f"{args.save} exists and is not a directory")
     from megatron_glm5.training.save_guard import check_save_target, existing_folder  # --save loses nothing
 
-    check_save_target(args)
+    check_save_target(args)  # before the --load checks: a --save that would lose data is named first
+    _check_checkpoints(args, hf)
     for flag in ("--tensorboard-dir", "--wandb-save-dir", "--data-cache-path"):  # folders Megatron-LM creates
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if path:
