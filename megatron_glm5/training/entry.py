@@ -69,7 +69,9 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 def launcher_env_error() -> Optional[str]:
     """Why the launcher's environment (``$RANK`` ... ``$MASTER_PORT``, what torchrun sets for ``env://``) cannot
-    start a run, or None. Without ``$RANK`` the run is a world of one process and the entry sets them all."""
+    start a run, or None. Without ``$RANK`` the run is a world of one process and the entry sets them all; the
+    examples' dry run (``MEGATRON_GLM5_CHECK_ARGS=1``: the flags for a world of ``$WORLD_SIZE``) starts no process
+    group and needs no ``$MASTER_ADDR`` / ``$MASTER_PORT``."""
     env = os.environ
     if "RANK" not in env:
         return None
@@ -85,7 +87,8 @@ def launcher_env_error() -> Optional[str]:
             return f"${name}={text!r} is not an integer ({hint})"
         if values[name] < low or (name == "MASTER_PORT" and values[name] > 65535):
             return f"${name}={text!r} is out of range ({hint})"
-    for name in ("WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+    dry_run = env.get("MEGATRON_GLM5_CHECK_ARGS") == "1"
+    for name in ("WORLD_SIZE",) + (() if dry_run else ("MASTER_PORT", "MASTER_ADDR")):
         if not env.get(name):
             return f"${name} is not set but $RANK is ({hint})"
         if name == "WORLD_SIZE" and values["RANK"] >= values["WORLD_SIZE"]:
