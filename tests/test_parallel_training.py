@@ -210,6 +210,11 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_dp4(workdir, data, mcore):
     assert worst <= RTOL, (key, per_tensor[key])
 
 
+# rank 0's environment as torchrun sets it (WORLD_SIZE added per test): the argument checks run before any process
+# group, so these runs stop there
+RANK0_OF_TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
 @pytest.mark.parametrize("flags, world, needle", [
     (["--tensor-model-parallel-size", "3", "--sequence-parallel"], 3, "tensor_model_parallel_size"),
     (["--expert-model-parallel-size", "3"], 3, "expert_model_parallel_size"),
@@ -221,7 +226,7 @@ def test_layout_that_does_not_divide_is_refused(flags, world, needle, tmp_path):
     proc = run(["--model-preset", "glm5-tiny", "--mock-data", "--seq-length", "32", "--train-iters", "2", "--lr",
                 "1e-3", "--num-layers", "4", "--eval-iters", "0", "--micro-batch-size", "1",
                 "--tensorboard-dir", str(tmp_path / "tb")] + flags,
-               env={"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
+               env=dict(RANK0_OF_TORCHRUN, WORLD_SIZE=str(world)))
     lines = error_lines(proc)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "error: model config:" in lines[0] and needle in lines[0], lines
@@ -252,12 +257,12 @@ def test_optimizer_state_megatron_cannot_reshard_is_one_line(tmp_path):
               "--use-distributed-optimizer", "--save", str(tmp_path / "ck"), "--save-interval", "1"]
     first = run(common + ["--exit-interval", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"], nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run(common + ["--load", str(tmp_path / "ck")], env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    second = run(common + ["--load", str(tmp_path / "ck")], env=dict(RANK0_OF_TORCHRUN, WORLD_SIZE="2"))
     lines = error_lines(second)
     assert second.returncode == 2 and len(lines) == 1, second.stderr[-2000:]
     assert "--load:" in lines[0] and "TP 2 PP 1" in lines[0] and "--dist-ckpt-optim-fully-reshardable" in lines[0]
     other_ep = run(common + ["--load", str(tmp_path / "ck"), "--tensor-model-parallel-size", "2", "--sequence-parallel",
                              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
-                   env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+                   env=dict(RANK0_OF_TORCHRUN, WORLD_SIZE="2"))
     lines = error_lines(other_ep)
     assert other_ep.returncode == 2 and len(lines) == 1 and "saved at EP 1" in lines[0], other_ep.stderr[-2000:]
