@@ -72,7 +72,6 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
     get_grad_norm, step_with_ready_grads = optimizer.get_grad_norm, optimizer.step_with_ready_grads
     state = {"norm": None, "in_a_row": 0}
     guard = WeightRangeGuard(optimizer, weight_limit(getattr(optimizer, "config", None)))
-    optimizer.glm5_weight_range_guard = guard
 
     def recorded_grad_norm():
         state["norm"] = get_grad_norm()
@@ -132,21 +131,18 @@ def _glm5_get_megatron_optimizer(upstream):
 
 def _nonfinite_weight(model) -> str:
     """The name of this rank's first model parameter or floating buffer (the expert bias) holding a NaN/inf ('' if
-    none): one fused max-magnitude pass per device and dtype."""
-    import torch
+    none): one fused max-magnitude pass (:func:`~megatron_glm5.training.optimizer.max_magnitude`); the name is looked
+    up only when there is one."""
+    import math
 
-    named = [(f"{name}", t.detach()) for chunk in model
+    from megatron_glm5.training.optimizer import max_magnitude
+
+    named = [(name, t.detach()) for chunk in model
              for name, t in list(chunk.named_parameters()) + list(chunk.named_buffers())
              if t.is_floating_point() and t.numel()]
-    groups = {}
-    for name, t in named:
-        groups.setdefault((t.device, t.dtype), []).append((name, t))
-    for items in groups.values():
-        norms = torch._foreach_norm([t for _, t in items], float("inf"))
-        finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
-        if not all(finite):
-            return items[finite.index(False)][0]
-    return ""
+    if math.isfinite(max_magnitude([t for _, t in named])):
+        return ""
+    return next(name for name, t in named if not math.isfinite(max_magnitude([t])))
 
 
 def _refuse_nonfinite_save(upstream):

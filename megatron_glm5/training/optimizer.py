@@ -113,7 +113,7 @@ def weight_limit(config) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def _max_magnitude(tensors) -> float:
+def max_magnitude(tensors) -> float:
     """The largest |value| over ``tensors`` (0.0 for none; NaN/inf when one holds it): one fused max-magnitude pass
     per device and dtype, one host sync."""
     groups = {}
@@ -151,16 +151,12 @@ class WeightRangeGuard:
     When ``P'`` and the intermediates stay within the limits by a margin, the bounds move on and nothing is read.
     Otherwise ``P`` and ``X`` are measured (one fused pass over the weights and the state) and, if the bound still
     does not hold, the update is tried exactly (:func:`update_keeps_weights_within`). An optimizer of another kind
-    is always tried exactly. The first call measures (the trainer loads a checkpoint before it); :meth:`reset`
-    forgets the bounds when weights or state are replaced outside the optimizer's step."""
+    is always tried exactly. The first call measures (the trainer loads a checkpoint before it)."""
 
     def __init__(self, optimizer, limit: float):
         self.optimizer, self.limit = optimizer, limit
         self.bounds = None  # per torch optimizer: [P, X]
         self.measured = self.tried = 0  # how often the fallbacks ran
-
-    def reset(self) -> None:
-        self.bounds = None
 
     def _inners(self) -> list:
         return [getattr(part, "optimizer", None) for part in optimizer_parts(self.optimizer)
@@ -199,9 +195,9 @@ class WeightRangeGuard:
             if self._kind(inner) == "adam":
                 x = self._moment_ratio(inner, params)
             else:
-                x = _max_magnitude([inner.state[p].get("momentum_buffer") for p in params if p in inner.state
+                x = max_magnitude([inner.state[p].get("momentum_buffer") for p in params if p in inner.state
                                     and torch.is_tensor(inner.state[p].get("momentum_buffer"))])
-            self.bounds.append([_max_magnitude(params), x])
+            self.bounds.append([max_magnitude(params), x])
 
     def _next(self, grad_bound: float):
         """The bounds after the step ([P', X'] per torch optimizer), or None when they do not prove it safe."""
@@ -244,7 +240,7 @@ class WeightRangeGuard:
         def grad_bound():
             if grad_norm is not None and math.isfinite(float(grad_norm)):
                 return float(grad_norm)
-            return _max_magnitude([p.grad for inner in inners for g in inner.param_groups for p in g["params"]])
+            return max_magnitude([p.grad for inner in inners for g in inner.param_groups for p in g["params"]])
 
         g_max = grad_bound()
         nxt = self._next(g_max)
