@@ -326,11 +326,38 @@ def gpu_idle_report(trace: dict, top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def trace_step(step, path: str, with_stack: bool = True) -> str:
-    """Profile one CUDA step (with Python stacks unless ``with_stack`` is False: those slow the host about
-    twofold, so the gaps they show are the traced step's), write the chrome trace to ``path`` (gzip) and return
-    :func:`gpu_idle_report` of it."""
-    import gzip
+def kernel_table(trace: dict, steps: int = 1, top: int = 40) -> str:
+    """GPU time by kernel name in a chrome trace of ``torch.profiler`` (``steps`` profiled steps): per step, the
+    busy time (union of the kernels' intervals), then the ``top`` kernel names by total time with their count and
+    share; kernel names are cut at 110 characters (template arguments make one kernel many names otherwise)."""
+    import collections
+
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        return "no GPU kernels in the trace"
+    total, count = collections.Counter(), collections.Counter()
+    for k in kernels:
+        name = k["name"][:110]
+        total[name] += k["dur"]
+        count[name] += 1
+    busy, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - min(k["ts"] for k in kernels)
+    allk = sum(total.values())
+    lines = [f"per step: window {span / steps / 1e3:.2f} ms, GPU busy {busy / steps / 1e3:.2f} ms, kernel time "
+             f"{allk / steps / 1e3:.2f} ms in {len(kernels) / steps:.0f} kernels",
+             f"{'ms/step':>9} {'calls':>6} {'share':>6}  kernel"]
+    lines += [f"{t / steps / 1e3:9.3f} {count[n] / steps:6.0f} {100 * t / allk:5.1f}%  {n}"
+              for n, t in total.most_common(top)]
+    return "\n".join(lines)
+
+
+def traced_step(step, with_stack: bool) -> dict:
+    """The chrome trace (a dict) of one CUDA step under ``torch.profiler`` (CPU and CUDA activity; Python stacks
+    when ``with_stack``: those slow the host about twofold, so the gaps they show are the traced step's)."""
     import tempfile
 
     import torch
@@ -343,7 +370,14 @@ def trace_step(step, path: str, with_stack: bool = True) -> str:
         raw = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(raw)
         with open(raw) as fh:
-            trace = json.load(fh)
+            return json.load(fh)
+
+
+def trace_step(step, path: str, with_stack: bool = True) -> str:
+    """:func:`traced_step` written to ``path`` (gzip); returns :func:`gpu_idle_report` of it."""
+    import gzip
+
+    trace = traced_step(step, with_stack)
     with gzip.open(path, "wt") as fh:
         json.dump(trace, fh)
     return gpu_idle_report(trace)
@@ -414,9 +448,11 @@ def trainer_command(cfg_path: str, s: int, iters: int, log_interval: int, recomp
 
 
 def run_trainer(cfg: dict, s: int, iters: int, log_interval: int, recompute: bool, extra: list,
-                log_path: str = None) -> dict:
+                log_path: str = None, profile: bool = False) -> dict:
     """One ``--trainer`` run of ``s`` tokens a step: :func:`parse_trainer_log` of its output plus ``returncode``;
-    ``error`` (the last stderr line) when it failed, ``oom`` when that was an out-of-memory error."""
+    ``error`` (the last stderr line) when it failed, ``oom`` when that was an out-of-memory error. ``profile``:
+    Megatron-LM's ``--profile --use-pytorch-profiler`` over the two iterations before the last (with Python
+    stacks), and ``profile`` = :func:`kernel_table` and :func:`gpu_idle_report` of that trace."""
     import subprocess
     import tempfile
 
@@ -431,6 +467,10 @@ def run_trainer(cfg: dict, s: int, iters: int, log_interval: int, recompute: boo
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         out_path = os.path.join(tmp, "out.log")
         err_path = os.path.join(tmp, "err.log")
+        if profile:
+            extra = list(extra) + ["--profile", "--use-pytorch-profiler", "--pytorch-profiler-collect-callstack",
+                                   "--profile-step-start", str(iters - 3), "--profile-step-end", str(iters - 1),
+                                   "--tensorboard-dir", os.path.join(tmp, "tb")]
         # the output goes to files as it comes (a run cut short by a time limit leaves its log behind)
         with open(log_path or out_path, "w") as out, open(err_path, "w") as err:
             proc = subprocess.run(trainer_command(cfg_path, s, iters, log_interval, recompute, extra), cwd=tmp,
@@ -439,10 +479,25 @@ def run_trainer(cfg: dict, s: int, iters: int, log_interval: int, recompute: boo
             stdout = fh.read()
         with open(err_path) as fh:
             stderr = fh.read()
+        trace_path = os.path.join(tmp, "torch_profile", "rank-0.json.gz")
+        if profile and os.path.exists(trace_path):
+            import gzip
+
+            with gzip.open(trace_path, "rt") as fh:
+                trace = json.load(fh)
+            profile_report = kernel_table(trace, steps=2) + "\n" + gpu_idle_report(trace)
+            if log_path:
+                import shutil
+
+                shutil.copy(trace_path, os.path.splitext(log_path)[0] + "_trace.json.gz")
+        else:
+            profile_report = None
     if log_path:
         with open(log_path, "a") as fh:
             fh.write("\n--- stderr ---\n" + stderr)
     rec = {"returncode": proc.returncode}
+    if profile_report is not None:
+        rec["profile"] = profile_report
     try:
         rec.update(parse_trainer_log(stdout, log_interval))
     except ValueError as e:
@@ -539,7 +594,9 @@ def main(argv=None) -> int:
                 log_path = (os.path.splitext(a.out)[0] + f"_trainer_{s}.log") if a.out else None
                 rec = {"recompute": recompute}
                 rec.update(run_trainer(cfg, s, a.trainer_iters, a.trainer_log_interval, recompute,
-                                       a.trainer_args.split(), log_path))
+                                       a.trainer_args.split(), log_path, profile=s == a.profile_seq))
+                if rec.get("profile"):
+                    print(f"[trainer] s={s:6d} profile of 2 steps:\n{rec['profile']}", flush=True)
                 if "seconds" in rec and "error" not in rec:
                     t = rec["seconds"]
                     rec.update(tokens_per_s=s / t, mfu=6.0 * n_trainer * s / t / rate,
@@ -588,6 +645,8 @@ def main(argv=None) -> int:
                     if (a.trace or a.trace_without_stacks) and dev == "cuda":
                         tpath = (os.path.splitext(a.out)[0] if a.out else "bench_train_step") + f"_trace_{s}.json.gz"
                         print(f"[ours] s={s:6d}: {trace_step(step, tpath, not a.trace_without_stacks)}", flush=True)
+                    if "trainer" in kinds and dev == "cuda":  # the same table as the trainer's profile
+                        print(f"[ours] s={s:6d} kernels of 1 step:\n{kernel_table(traced_step(step, False))}", flush=True)
                     if a.sync_sites and dev == "cuda":
                         print(f"[ours] s={s:6d}: {sync_sites(step)}", flush=True)
             except torch.OutOfMemoryError:

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-from bench_train_step import parse_trainer_log, trainer_command  # noqa: E402
+from bench_train_step import kernel_table, parse_trainer_log, trainer_command  # noqa: E402
 
 def _line(it: int, ms: float, tflops: float, loss: float) -> str:
     """One of Megatron-LM's per-interval log lines (the fields the parser reads, in its order and format)."""
@@ -52,3 +52,15 @@ def test_trainer_command_is_the_users_run():
                  "--use-distributed-optimizer", "--recompute-granularity full"):
         assert part in joined, part
     assert cmd[-1] == "--no-moe-cuda-graph"
+
+
+def test_kernel_table_counts_busy_time_and_totals_per_step():
+    # two steps; kernel "b" overlaps "a" by 500 us, so busy = 2000 + 1500 + 1000 us over 2 steps
+    ev = [{"ph": "X", "cat": "kernel", "name": "a", "ts": 0.0, "dur": 2000.0},
+          {"ph": "X", "cat": "kernel", "name": "b", "ts": 1500.0, "dur": 2000.0},
+          {"ph": "X", "cat": "kernel", "name": "a", "ts": 10000.0, "dur": 1000.0},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 50000.0}]
+    lines = kernel_table({"traceEvents": ev}, steps=2).splitlines()
+    assert lines[0] == "per step: window 5.50 ms, GPU busy 2.25 ms, kernel time 2.50 ms in 2 kernels"
+    assert lines[2].split() == ["1.500", "1", "60.0%", "a"]
+    assert lines[3].split() == ["1.000", "0", "40.0%", "b"]
