@@ -3,7 +3,7 @@
 
     python scripts/bench_train_step.py [--seqs 2048,4096,8192,16384,32768] [--models hf,ours,trainer]
         [--profile-seq 4096] [--layers 4] [--experts 16] [--topk 8] [--recompute-from 16384] [--out FILE.json]
-        [--tiny] [--trainer] [--trainer-iters 30] [--trainer-args "..."]
+        [--tiny] [--trainer] [--trainer-iters 30] [--trainer-args "..."] [--micro-batches 1]
 
 Both models are built from the same HF config dict: the released widths (``glm5_flash_hf_config``), ``--layers``
 decoder layers (``linear_attention`` x (L-1) then ``indexed_attention``), every MLP an MoE with ``--experts`` experts
@@ -12,7 +12,9 @@ transformers' ``Glm5NextForConditionalGeneration`` is built with its defaults (g
 installed); ours by ``build_model`` with ``default_backends('cuda')`` unless ``--ours-backends`` says otherwise
 (``kda_backend=fla_fused,dsa_backend=fused,moe_experts_backend=grouped,moe_cuda_graph=true``;
 ``--ours-backends moe_cuda_graph=false`` runs the MoE layers eagerly). A step whose loss is not finite is reported
-as an error (exit 1). One document of ``s`` tokens per step. Printed per length: tokens/s, 6N-MFU against the bf16
+as an error (exit 1). One document of ``s`` tokens per row, ``--micro-batches`` rows (forward and backward each,
+gradients accumulated) per optimizer step: 1 by default, where the optimizer's share is largest; a training run's
+global batch spreads it over many rows. Printed per length: tokens/s, 6N-MFU against the bf16
 matmul rate measured at the start (``N`` = active parameters: everything but the embedding and the vision tower,
 routed experts counted ``topk / experts``), peak memory, the ratio ours / transformers; then a CUDA-time profile (top
 kernels) of our step at ``--profile-seq``. Lengths from ``--recompute-from`` on run with full activation recompute in
@@ -24,7 +26,8 @@ Every length also prints the last timed step's phases (forward, backward, optimi
 
 ``--trainer`` (or ``trainer`` in ``--models``) also runs the step as users run it: ``pretrain_glm5_vlm.py`` on the
 same config (written to a JSON file, ``--hf-config``), Megatron-LM's trainer with ``--bf16
---use-distributed-optimizer --torch-fused-adam``, mock data, one row of ``s`` tokens a step, ``--trainer-iters``
+--use-distributed-optimizer --torch-fused-adam``, mock data, ``--micro-batches`` rows of ``s`` tokens a step
+(``--global-batch-size``), ``--trainer-iters``
 iterations logged every ``--trainer-log-interval``, in its own process after the in-process models. Its ms/step is
 the mean of Megatron-LM's "elapsed time per iteration" over the logged intervals after the first full one (which
 holds the compilation, autotuning and graph captures: 232 s for its first step on a fresh H100); MFU is given
@@ -152,7 +155,8 @@ def build_ours(cfg: dict, dev: str, dtype, backends: dict):
 
 
 def make_step(kind: str, model, ids, dev):
-    """A closure running one fwd + bwd + AdamW step; returns the loss."""
+    """A closure running one AdamW step over the rows of ``ids`` [rows, s] (a fwd + bwd each, gradients
+    accumulated); returns the last row's loss."""
     import torch
 
     from megatron_glm5.models.packing import make_packed_seq_params
@@ -160,20 +164,22 @@ def make_step(kind: str, model, ids, dev):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, fused=dev == "cuda")
     s = ids.shape[1]
-    labels = torch.roll(ids, -1, dims=1)
+    rows = [ids[i:i + 1] for i in range(ids.shape[0])]
+    labels = [torch.roll(r, -1, dims=1) for r in rows]
     psp = make_packed_seq_params(torch.tensor([0, s], dtype=torch.int32, device=ids.device))
 
     phases = PhaseTimes(dev)
 
     def step():
         phases.mark("start")
-        if kind == "hf":
-            loss = model(input_ids=ids, labels=ids).loss
-        else:
-            loss = model(ids, labels=labels, packed_seq_params=psp).float().mean()
-        phases.mark("forward")
-        loss.backward()
-        phases.mark("backward")
+        for row, lab in zip(rows, labels):
+            if kind == "hf":
+                loss = model(input_ids=row, labels=row).loss
+            else:
+                loss = model(row, labels=lab, packed_seq_params=psp).float().mean()
+            phases.mark("forward")
+            (loss / len(rows)).backward()
+            phases.mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
         phases.mark("optimizer")
@@ -431,11 +437,12 @@ def parse_trainer_log(text: str, log_interval: int) -> dict:
             "peak_gib": max(peaks) / 1024 if peaks else float("nan")}
 
 
-def trainer_command(cfg_path: str, s: int, iters: int, log_interval: int, recompute: bool, extra: list) -> list:
+def trainer_command(cfg_path: str, s: int, iters: int, log_interval: int, recompute: bool, extra: list,
+                    micro_batches: int = 1) -> list:
     """The ``pretrain_glm5_vlm.py`` command line of one ``--trainer`` run (see the module docstring)."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrain_glm5_vlm.py")
     cmd = [sys.executable, script, "--hf-config", cfg_path, "--mock-data", "--seq-length", str(s),
-           "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(iters), "--lr", "1e-6",
+           "--micro-batch-size", "1", "--global-batch-size", str(micro_batches), "--train-iters", str(iters), "--lr", "1e-6",
            "--min-lr", "1e-6", "--log-interval", str(log_interval), "--eval-iters", "0", "--log-throughput",
            "--use-distributed-optimizer"]
     import torch
@@ -448,7 +455,7 @@ def trainer_command(cfg_path: str, s: int, iters: int, log_interval: int, recomp
 
 
 def run_trainer(cfg: dict, s: int, iters: int, log_interval: int, recompute: bool, extra: list,
-                log_path: str = None, profile: bool = False) -> dict:
+                log_path: str = None, profile: bool = False, micro_batches: int = 1) -> dict:
     """One ``--trainer`` run of ``s`` tokens a step: :func:`parse_trainer_log` of its output plus ``returncode``;
     ``error`` (the last stderr line) when it failed, ``oom`` when that was an out-of-memory error. ``profile``:
     Megatron-LM's ``--profile --use-pytorch-profiler`` over the two iterations before the last (with Python
@@ -473,7 +480,7 @@ def run_trainer(cfg: dict, s: int, iters: int, log_interval: int, recompute: boo
                                    "--tensorboard-dir", os.path.join(tmp, "tb")]
         # the output goes to files as it comes (a run cut short by a time limit leaves its log behind)
         with open(log_path or out_path, "w") as out, open(err_path, "w") as err:
-            proc = subprocess.run(trainer_command(cfg_path, s, iters, log_interval, recompute, extra), cwd=tmp,
+            proc = subprocess.run(trainer_command(cfg_path, s, iters, log_interval, recompute, extra, micro_batches), cwd=tmp,
                                   env=env, stdout=out, stderr=err, text=True)
         with open(log_path or out_path) as fh:
             stdout = fh.read()
@@ -550,6 +557,8 @@ def main(argv=None) -> int:
                    "the same config, in its own process (same as 'trainer' in --models)")
     p.add_argument("--trainer-iters", type=int, default=30)
     p.add_argument("--trainer-log-interval", type=int, default=10)
+    p.add_argument("--micro-batches", type=int, default=1, help="rows of s tokens per optimizer step (gradients "
+                   "accumulated; the trainer's --global-batch-size)")
     p.add_argument("--trainer-args", default="", help="extra pretrain_glm5_vlm.py flags, e.g. '--no-moe-cuda-graph'")
     a = p.parse_args(argv)
     kinds = [k for k in a.models.split(",") if k]
@@ -581,8 +590,11 @@ def main(argv=None) -> int:
     print(f"device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; torch {torch.__version__}; "
           f"measured bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; ours: {backends}", flush=True)
     seqs = [int(x) for x in a.seqs.split(",")]
+    nb = a.micro_batches
+    if nb < 1:
+        p.error("--micro-batches must be >= 1")
     vocab = cfg["text_config"]["vocab_size"]
-    results = {"matmul_tflops": rate / 1e12, "backends": backends, "config": cfg, "runs": {}}
+    results = {"matmul_tflops": rate / 1e12, "backends": backends, "config": cfg, "micro_batches": nb, "runs": {}}
     profile_table = None
     n_active = None
     nonfinite = []  # runs whose last step's loss was NaN / inf: their timings measured a broken step
@@ -594,18 +606,19 @@ def main(argv=None) -> int:
                 log_path = (os.path.splitext(a.out)[0] + f"_trainer_{s}.log") if a.out else None
                 rec = {"recompute": recompute}
                 rec.update(run_trainer(cfg, s, a.trainer_iters, a.trainer_log_interval, recompute,
-                                       a.trainer_args.split(), log_path, profile=s == a.profile_seq))
+                                       a.trainer_args.split(), log_path, profile=s == a.profile_seq,
+                                       micro_batches=a.micro_batches))
                 if rec.get("profile"):
                     print(f"[trainer] s={s:6d} profile of 2 steps:\n{rec['profile']}", flush=True)
                 if "seconds" in rec and "error" not in rec:
                     t = rec["seconds"]
-                    rec.update(tokens_per_s=s / t, mfu=6.0 * n_trainer * s / t / rate,
+                    rec.update(tokens_per_s=nb * s / t, mfu=6.0 * n_trainer * nb * s / t / rate,
                                mfu_flops=(rec["tflops"] * 1e12 / rate) if rec["tflops"] else None)
                     if not math.isfinite(rec["loss"]):
                         nonfinite.append(f"trainer s={s}")
                     flops_mfu = "-" if rec["mfu_flops"] is None else f"{rec['mfu_flops'] * 100:5.1f} %"
                     print(f"[trainer] s={s:6d}{' (recompute)' if recompute else ''}: {t * 1e3:9.1f} ms/step  "
-                          f"{s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  MFU (trainer FLOPs) {flops_mfu}  "
+                          f"{nb * s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  MFU (trainer FLOPs) {flops_mfu}  "
                           f"peak {rec['peak_gib']:6.1f} GiB  loss {rec['loss']:.3f} (first logged "
                           f"{rec['first_loss']:.3f})", flush=True)
                 else:
@@ -622,19 +635,19 @@ def main(argv=None) -> int:
               f"{n_kind / 1e9:.3f}B active (6N counts these)", flush=True)
         for s in seqs:
             g = torch.Generator().manual_seed(s)
-            ids = torch.randint(1, min(vocab, 150000) - 1, (1, s), generator=g).to(dev)
+            ids = torch.randint(1, min(vocab, 150000) - 1, (nb, s), generator=g).to(dev)
             recompute = s >= a.recompute_from
             set_recompute(kind, model, recompute)
             rec = {"recompute": recompute}
             try:
                 step, opt = make_step(kind, model, ids, dev)
                 t, peak, loss, first_loss = time_steps(step, dev, a.warmup, a.iters)
-                rec.update(seconds=t, tokens_per_s=s / t, peak_gib=peak, loss=loss, first_loss=first_loss,
-                           mfu=6.0 * n_kind * s / t / rate)
+                rec.update(seconds=t, tokens_per_s=nb * s / t, peak_gib=peak, loss=loss, first_loss=first_loss,
+                           mfu=6.0 * n_kind * nb * s / t / rate)
                 if not math.isfinite(loss):
                     nonfinite.append(f"{kind} s={s}")
                 print(f"[{kind}] s={s:6d}{' (recompute)' if recompute else ''}: {t * 1e3:9.1f} ms/step  "
-                      f"{s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  peak {peak:6.1f} GiB  "
+                      f"{nb * s / t:9.0f} tok/s  6N-MFU {rec['mfu'] * 100:5.1f} %  peak {peak:6.1f} GiB  "
                       f"loss {loss:.3f}" + ("" if first_loss is None else f" (first step {first_loss:.3f})"),
                       flush=True)
                 rec["phases"] = step.phases.report()
