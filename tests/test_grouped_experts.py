@@ -188,26 +188,37 @@ def test_packed_weights_load_and_save_their_own_values(mcore):
             assert torch.equal(sd_seq[k], sd_grp[k]), k
 
 
-@pytest.mark.xfail(strict=True, reason="megatron DDP's buffer (the distributed optimizer, as pretrain_glm5_vlm.py "
-                   "requires with --bf16) holds the parameters in reverse order, each expert's fc1 next to its fc2: "
-                   "the grouped GEMM gets torch.stack's copy every step (the trainer's 4K step on an H100, 2026-12-05: "
-                   "197.3 ms against the harness's 128.6)")
-def test_packed_experts_keep_their_alias_under_megatron_ddp(mcore):
+@pytest.mark.parametrize("expert_order", [True, False])
+def test_packed_experts_keep_their_alias_under_megatron_ddp(mcore, expert_order):
     """The expert weights stay back-to-back slices of one storage once megatron's DDP has moved every parameter into
-    its buffer, so ``stacked_weights`` hands the grouped GEMM a view, not a copy."""
+    its buffer (placed by the distributed optimizer's layout, as pretrain_glm5_vlm.py runs with --bf16), so
+    ``stacked_weights`` hands the grouped GEMM a view, not a copy; megatron-core's own layout (reverse module order:
+    each expert's fc2 next to its fc1) splits them. The values are the model's either way."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from megatron_glm5.models.builder import build_model
-    from megatron_glm5.models.grouped_experts import _stacked_alias
+    from megatron_glm5.models.grouped_experts import _stacked_alias, install_expert_buffer_layout
 
+    install_expert_buffer_layout()
+    layout_fn = DistributedOptimizer.compute_full_param_layout
+    if not expert_order:
+        layout_fn = layout_fn.wrapped  # megatron-core's own
     cfg = Glm5Config.from_hf(tiny_hf_config(with_vision=False), moe_experts_backend="grouped", bf16=True,
                              use_cpu_initialization=True)
+    torch.manual_seed(0)
     model = build_model(cfg).bfloat16()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     assert experts and all(_stacked_alias([e.linear_fc1.weight for e in g.local_experts]) is not None
                            for g in experts)  # packed at construction
-    ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True))
-    for g in [m for m in ddp.module.modules() if isinstance(m, GroupedExperts)]:
-        for name in ("linear_fc1", "linear_fc2"):
-            assert _stacked_alias([getattr(e, name).weight for e in g.local_experts]) is not None, name
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    layout = layout_fn([p for p in model.parameters() if p.requires_grad], None, 1, ddp_config,
+                       expert_data_parallel_world_size=1)
+    ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=ddp_config, full_param_layout=layout)
+    aliased = [_stacked_alias([getattr(e, name).weight for e in g.local_experts]) is not None
+               for g in ddp.module.modules() if isinstance(g, GroupedExperts) for name in ("linear_fc1", "linear_fc2")]
+    assert len(aliased) == 2 * len(experts)
+    assert all(aliased) if expert_order else not any(aliased)
+    for n, p in ddp.module.named_parameters():
+        assert torch.equal(p, before[n]), n

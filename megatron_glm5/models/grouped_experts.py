@@ -20,10 +20,15 @@ applied on the input) is ``SequentialMLP.forward`` itself, so the CPU reference 
 **Weights without a copy.** The experts' fc1 (and fc2) weights live as the slices ``[e]`` of one ``[E, out, in]``
 storage (:meth:`GroupedExperts.pack_expert_weights`, at construction and after every ``.to()`` / ``.cuda()`` /
 ``.bfloat16()``), so :func:`stacked_weights` hands the grouped GEMM a view of that storage instead of
-``torch.stack``'s copy of every expert weight each step (2 copies of all expert weights per MoE layer and step:
-~1.6 ms of the 4K proxy step on the H200). The parameters stay separate ``nn.Parameter`` s with their own keys and
-gradients. Whoever re-homes them elsewhere (megatron's DDP with the distributed optimizer puts every parameter in
-its own buffer, in reverse order) gets ``torch.stack`` again: same numbers, one copy.
+``torch.stack``'s copy of every expert weight each step (2 copies of all expert weights per MoE layer and step).
+The parameters stay separate ``nn.Parameter`` s with their own keys and gradients.
+
+megatron-core's DDP moves every parameter into its own buffer, placed by the distributed optimizer's layout
+(``DistributedOptimizer.compute_full_param_layout``), which walks the parameters in reverse module order: expert 7's
+fc2, expert 7's fc1, expert 6's fc2, ... :func:`install_expert_buffer_layout` hands that layout each
+``GroupedExperts``' weights in the order that lays them out as ``fc1[0..E-1], fc2[0..E-1]`` back to back
+(:func:`expert_weights_back_to_back`), so the alias survives the trainer. Where the buffer still splits a set (a
+bucket boundary inside it), :func:`stacked_weights` falls back to ``torch.stack``: same numbers, one copy.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-__all__ = ["GroupedExperts", "grouped_glu", "stacked_weights"]
+__all__ = ["GroupedExperts", "expert_weights_back_to_back", "grouped_glu", "install_expert_buffer_layout",
+           "stacked_weights"]
 
 
 def _stacked_alias(weights) -> torch.Tensor | None:
@@ -48,6 +54,47 @@ def _stacked_alias(weights) -> torch.Tensor | None:
             return None
     return w0.detach().new_empty(0).set_(storage, w0.storage_offset(), (len(weights), *w0.shape),
                                          (n, *w0.stride()))
+
+
+def expert_weights_back_to_back(params: list) -> list:
+    """``params`` (a model chunk's trainable parameters, in module order) with each :class:`GroupedExperts`' expert
+    weights reordered in place of their block: ``fc2[E-1], ..., fc2[0], fc1[E-1], ..., fc1[0]``, so that a layout
+    walking the list in reverse (megatron-core's distributed-optimizer buffer) places ``fc1[0..E-1]`` and then
+    ``fc2[0..E-1]`` back to back. A block is reordered only where it is contiguous in ``params`` (nothing else in
+    between), so every other parameter keeps its position and index; the same input gives the same order on every
+    rank."""
+    slots = {}
+    for i, p in enumerate(params):
+        slot = getattr(p, "grouped_expert_slot", None)
+        if slot is not None:
+            slots.setdefault(slot[0], []).append(i)
+    out = list(params)
+    for positions in slots.values():
+        if positions[-1] - positions[0] + 1 != len(positions):
+            continue
+        block = sorted((params[i] for i in positions), key=lambda p: p.grouped_expert_slot[1:], reverse=True)
+        out[positions[0]:positions[-1] + 1] = block
+    return out
+
+
+def install_expert_buffer_layout() -> bool:
+    """Have ``DistributedOptimizer.compute_full_param_layout`` (what megatron-LM's ``get_model`` and megatron-core's
+    DDP call to place parameters in the gradient / parameter buffers) lay the parameters out in
+    :func:`expert_weights_back_to_back`'s order. Idempotent; returns True when it installed the wrapper now."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    compute = DistributedOptimizer.compute_full_param_layout
+    if getattr(compute, "glm5_expert_order", False):
+        return False
+
+    def compute_full_param_layout(params, *args, **kwargs):
+        return compute(expert_weights_back_to_back(list(params)), *args, **kwargs)
+
+    compute_full_param_layout.glm5_expert_order = True
+    compute_full_param_layout.wrapped = compute
+    compute_full_param_layout.__doc__ = compute.__doc__
+    DistributedOptimizer.compute_full_param_layout = staticmethod(compute_full_param_layout)
+    return True
 
 
 class _StackedWeights(torch.autograd.Function):
@@ -96,6 +143,10 @@ class GroupedExperts(SequentialMLP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        key = object()  # this module's weights, for expert_weights_back_to_back
+        for s, weights in enumerate(self.expert_weight_sets()):
+            for e, w in enumerate(weights):
+                w.grouped_expert_slot = (key, s, e)
         self.pack_expert_weights()
 
     def expert_weight_sets(self):

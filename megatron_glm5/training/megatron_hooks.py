@@ -359,6 +359,11 @@ def install() -> None:
 
     if install_schedule_check():
         _INSTALLED.append("resume: a learning-rate schedule unlike the checkpoint's is one line naming the flags")
+    from megatron_glm5.models.grouped_experts import install_expert_buffer_layout
+
+    if install_expert_buffer_layout():
+        _INSTALLED.append("DDP buffer: each MoE layer's expert weights back to back in expert order (the grouped "
+                          "GEMM reads them without a copy)")
     if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
         training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
         _INSTALLED.append("optimizer: steps with a NaN/inf gradient norm or updated weight skipped and counted; "
