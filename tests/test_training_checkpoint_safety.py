@@ -347,6 +347,27 @@ def test_resume_refusals(saved_args, run, needle):
         assert resume_refusal("/ck/iter_0000002", dict(saved_args), _run_args(**{**run, **ok})) is None
 
 
+def test_dp_reshardable_state_in_another_buffer_order_is_refused():
+    """parallel_layout.json records the order of the distributed optimizer's buffer (the DP-reshardable format
+    stores the optimizer state in it): another order, or none recorded (megatron-core's own), is refused unless
+    the optimizer state is left out or was saved fully reshardable (per parameter)."""
+    from megatron_glm5.models.grouped_experts import BUFFER_LAYOUT
+    from megatron_glm5.training.checkpoint_checks import layout_record, resume_refusal
+
+    run = _run_args(use_distributed_optimizer=True, context_parallel_size=1, expert_tensor_parallel_size=1,
+                    data_parallel_size=1, dist_ckpt_optim_fully_reshardable=False, no_save_optim=False)
+    saved = layout_record(run)
+    assert saved["buffer_layout"] == BUFFER_LAYOUT
+    assert resume_refusal("/ck/iter_0000002", saved, run, layout_file=True) is None
+    for other in (None, "expert-order-0"):
+        old = dict(saved, buffer_layout=other)
+        assert "--no-load-optim" in resume_refusal("/ck/iter_0000002", old, run, layout_file=True)
+        assert resume_refusal("/ck/iter_0000002", dict(old, dist_ckpt_optim_fully_reshardable=True), run,
+                              layout_file=True) is None
+        assert resume_refusal("/ck/iter_0000002", old, _run_args(**{**vars(run), "no_load_optim": True}),
+                              layout_file=True) is None
+
+
 # --------------------------------------------------------------------------------------------- trackers
 def test_tracker_fuzz_in_process(tmp_path):
     """Random tracker bytes: read_tracker names a folder exactly as Megatron-LM's reader (int(text.strip())) would,

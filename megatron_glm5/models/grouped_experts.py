@@ -77,6 +77,9 @@ def expert_weights_back_to_back(params: list) -> list:
     return out
 
 
+BUFFER_LAYOUT = "expert-order-1"  # the name of this order, recorded beside every checkpoint (parallel_layout.json)
+
+
 def install_expert_buffer_layout() -> bool:
     """Have ``DistributedOptimizer.compute_full_param_layout`` (what megatron-LM's ``get_model`` and megatron-core's
     DDP call to place parameters in the gradient / parameter buffers) lay the parameters out in

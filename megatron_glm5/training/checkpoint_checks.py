@@ -81,8 +81,12 @@ LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "
 
 
 def layout_record(args) -> dict:
-    """The parallel layout and optimizer-state format of a run, as :data:`LAYOUT_FNAME` records it."""
-    return {k: getattr(args, k, None) for k in LAYOUT_FIELDS}
+    """The parallel layout and optimizer-state format of a run, as :data:`LAYOUT_FNAME` records it, with the order
+    of the parameters in the distributed optimizer's buffers (``buffer_layout``: the DP-reshardable format stores
+    the optimizer state in that order)."""
+    from megatron_glm5.models.grouped_experts import BUFFER_LAYOUT
+
+    return dict({k: getattr(args, k, None) for k in LAYOUT_FIELDS}, buffer_layout=BUFFER_LAYOUT)
 
 
 def check_resume_layout(ckpt_dir: str, args) -> None:
@@ -90,16 +94,17 @@ def check_resume_layout(ckpt_dir: str, args) -> None:
     traceback in the middle of loading), from the checkpoint's :data:`LAYOUT_FNAME`: see :func:`resume_refusal`."""
     path = os.path.join(ckpt_dir, LAYOUT_FNAME)
     if os.path.isfile(path):
-        problem = resume_refusal(ckpt_dir, _json_object(path), args)
+        problem = resume_refusal(ckpt_dir, _json_object(path), args, layout_file=True)
         if problem:
             raise CheckpointDirError(problem)
 
 
-def resume_refusal(ckpt_dir: str, saved: dict, args) -> Optional[str]:
+def resume_refusal(ckpt_dir: str, saved: dict, args, layout_file: bool = False) -> Optional[str]:
     """Why this run cannot resume the optimizer state of the checkpoint ``ckpt_dir`` whose run had the arguments
-    ``saved`` (a :func:`layout_record`, or the saved run's ``args`` as a dict), or None: optimizer state saved with
-    --no-save-optim, with / without --use-distributed-optimizer unlike this run, at another expert-parallel size,
-    or in the DP-reshardable format at another TP / PP. Nothing to say when this run loads no optimizer state
+    ``saved`` (a :func:`layout_record` when ``layout_file``, else the saved run's ``args`` as a dict), or None:
+    optimizer state saved with --no-save-optim, with / without --use-distributed-optimizer unlike this run, at
+    another expert-parallel size, or in the DP-reshardable format at another TP / PP or in another buffer order
+    (``buffer_layout``, recorded in the layout file only). Nothing to say when this run loads no optimizer state
     (--finetune, --no-load-optim, a release checkpoint)."""
     if args.finetune or args.no_load_optim or os.path.basename(os.path.normpath(ckpt_dir)) == "release":
         return None
@@ -120,6 +125,13 @@ def resume_refusal(ckpt_dir: str, saved: dict, args) -> Optional[str]:
                 f"{ep_was}, or leave the optimizer state out (--no-load-optim)")
     if saved.get("dist_ckpt_optim_fully_reshardable"):
         return None
+    from megatron_glm5.models.grouped_experts import BUFFER_LAYOUT
+
+    if layout_file and saved.get("buffer_layout") != BUFFER_LAYOUT:
+        return (f"{ckpt_dir} holds distributed-optimizer state in the DP-reshardable format, stored in the order of "
+                f"the parameter buffer of the version that saved it ({saved.get('buffer_layout') or 'megatron-core'}"
+                f"'s), which this version lays out otherwise ({BUFFER_LAYOUT}): resume its weights with "
+                "--no-load-optim")
     was_tp_pp = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"))
     now = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if was_tp_pp != now:
