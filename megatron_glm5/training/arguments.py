@@ -239,16 +239,21 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--test-kill-during-save", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
     g.add_argument("--torch-fused-adam", action="store_true",
                    help="megatron-core without Transformer Engine or Apex falls back to torch's Adam in its foreach "
-                        "form: run torch's fused Adam kernel instead (one pass over weights, gradients and moments)")
+                        "form: run torch's fused Adam kernel instead (one pass over weights, gradients and moments); "
+                        "the default where CUDA is available")
+    g.add_argument("--no-torch-fused-adam", dest="torch_fused_adam", action="store_false",
+                   help="keep torch's foreach Adam (megatron-core's fallback as it is)")
 
     import torch
 
     # this model's layers are megatron-core's local modules and its own (no Transformer Engine spec) and carry no
     # position embedding (KDA, NoPE sparse attention); a non-finite step is skipped and counted (megatron_hooks), not
-    # handed to the rerun state machine unless asked; without CUDA the process groups are gloo's and CUDA-only fusions
-    # are off
+    # handed to the rerun state machine unless asked; with CUDA torch's fused Adam runs, without it the process
+    # groups are gloo's and CUDA-only fusions are off
     defaults = dict(transformer_impl="local", position_embedding_type="none", check_for_nan_in_loss_and_grad=False)
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        defaults.update(torch_fused_adam=True)
+    else:
         defaults.update(distributed_backend="gloo", gradient_accumulation_fusion=False, bias_gelu_fusion=False,
                         bias_swiglu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
                         persist_layer_norm=False, apply_rope_fusion=False, cross_entropy_loss_fusion=False,
