@@ -68,8 +68,9 @@ IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
 VIDEO = "<|begin_of_video|><|video|><|end_of_video|>"
 
 
-def encode(proc, text, images=None, videos=None, seed=0):
-    """The processor's tensors for one document: input_ids [1, n] and the image / video inputs it produced."""
+def encode(proc, text, images=None, videos=None, seed=0, keep_all=False):
+    """The processor's tensors for one document: input_ids [1, n] and the image / video inputs it produced (with
+    ``keep_all`` everything it returned: attention_mask and mm_token_type_ids too)."""
     kw = {}
     if images:
         kw["images"] = [np.random.default_rng(seed + i).integers(0, 256, (h, w, 3), dtype=np.uint8)
@@ -79,6 +80,8 @@ def encode(proc, text, images=None, videos=None, seed=0):
         kw["videos"] = [c[0] for c in clips]
         kw["videos_kwargs"] = {"video_metadata": [c[1] for c in clips], "do_sample_frames": True}
     out = proc(text=[text], return_tensors="pt", **kw)
+    if keep_all:
+        return dict(out)
     keys = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     return {k: out[k] for k in keys if k in out}
 
@@ -188,3 +191,61 @@ def test_video_logits_match_transformers(tiny_ckpt, inputs, mcore):
         other = dict(_mm(docs[2]), pixel_values_videos=docs[2]["pixel_values_videos"].flip(0))
         moved = ours(docs[2]["input_ids"], **other)[0]
     assert _rel(moved, hf_logits(hf32, docs[2:3])) > 1e-3
+
+
+def test_hf_forward_tool_takes_video(tiny_ckpt, inputs, tmp_path, mcore):
+    """tools/hf_forward.py reads transformers' input names: the processor's whole output for one sample (with
+    attention_mask and mm_token_type_ids) and a packed row with cu_seqlens give transformers' logits."""
+    from megatron_glm5.cli import hf_forward
+
+    docs, row = inputs
+    proc = processor(tiny_ckpt)
+    sample = encode(proc, f"look {IMAGE} and then watch {VIDEO} what moves?", images=[(56, 56)],
+                    videos=[(8, 56, 84, 4)], seed=1, keep_all=True)
+    assert {"attention_mask", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw"} <= set(sample)
+    assert torch.equal(sample["input_ids"], docs[1]["input_ids"])
+    hf32 = hf_model(tiny_ckpt)
+    for name, batch, ref_docs in (("sample", sample, docs[1:2]), ("row", row, docs)):
+        inp, out = tmp_path / f"{name}.pt", tmp_path / f"{name}_out.pt"
+        torch.save(batch, inp)
+        assert hf_forward.main(["--hf-dir", tiny_ckpt, "--input", str(inp), "--output", str(out)]) == 0
+        got = torch.load(out)["logits"][0]
+        ref = hf_logits(hf32, ref_docs)
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        assert _rel(got, ref) <= TOL_FP32, name
+        assert bool((got.argmax(-1) == ref.argmax(-1)).all()), name
+
+
+def test_hf_forward_tool_rejects_bad_video_input(tiny_ckpt, inputs, tmp_path, mcore, capsys):
+    """Bad video inputs: one line naming the field, exit 2, no output written, the input file unchanged."""
+    import hashlib
+
+    from megatron_glm5.cli import hf_forward
+
+    docs, _ = inputs
+    d = docs[2]
+    image_id = json.load(open(os.path.join(tiny_ckpt, "config.json")))["image_token_id"]
+    one_less = d["input_ids"].clone()
+    one_less[0, int((one_less[0] == image_id).nonzero()[0])] = 7  # a frame placeholder turned into text
+    cases = {
+        "pixels_without_grid": ({"input_ids": d["input_ids"], "pixel_values_videos": d["pixel_values_videos"]},
+                                "pixel_values_videos and video_grid_thw must be given together"),
+        "grid_of_more_frames": (dict(d, video_grid_thw=d["video_grid_thw"] + torch.tensor([[1, 0, 0]])),
+                                "pixel_values_videos must be a float tensor"),
+        "one_placeholder_less": (dict(d, input_ids=one_less), "video tokens"),
+        "video_as_image": ({"input_ids": d["input_ids"], "pixel_values": d["pixel_values_videos"],
+                            "image_grid_thw": d["video_grid_thw"]}, "image tokens"),
+        "types_say_image": (dict(d, mm_token_type_ids=(d["input_ids"] == image_id).long()),
+                            "mm_token_type_ids disagree"),
+    }
+    out = tmp_path / "out.pt"
+    for name, (batch, phrase) in cases.items():
+        inp = tmp_path / f"{name}.pt"
+        torch.save(batch, inp)
+        digest = hashlib.sha256(inp.read_bytes()).hexdigest()
+        rc = hf_forward.main(["--hf-dir", tiny_ckpt, "--input", str(inp), "--output", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2, name
+        assert len(err) == 1 and err[0].startswith("hf_forward: error:") and phrase in err[0], (name, err)
+        assert "Traceback" not in err[0] and not out.exists(), name
+        assert hashlib.sha256(inp.read_bytes()).hexdigest() == digest, name
