@@ -249,3 +249,82 @@ def test_hf_forward_tool_rejects_bad_video_input(tiny_ckpt, inputs, tmp_path, mc
         assert len(err) == 1 and err[0].startswith("hf_forward: error:") and phrase in err[0], (name, err)
         assert "Traceback" not in err[0] and not out.exists(), name
         assert hashlib.sha256(inp.read_bytes()).hexdigest() == digest, name
+
+
+# ----------------------------------------------------------------------------------------------- context parallel
+def training_row(docs):
+    """A packed training row of ``docs``: tokens / labels (shifted inside each document) / loss_mask / cu_seqlens
+    and the images / videos (collate's layout)."""
+    row = pack(docs)
+    labels = torch.cat([torch.cat([d["input_ids"][0, 1:], torch.tensor([-100])]) for d in docs])[None]
+    out = {"tokens": row.pop("input_ids"), "labels": labels, "loss_mask": (labels != -100).float()}
+    out.update(row)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_reference(tmp_path_factory, mcore):
+    """An MTP checkpoint, the processor-built video row, and 2 SGD steps of one rank on the whole row."""
+    from megatron_glm5.cli.make_tiny_hf_checkpoint import write_checkpoint
+    from megatron_glm5.config import tiny_hf_config
+    from megatron_glm5.models.packing import make_packed_seq_params
+    from test_parallel_cp import _build, _train
+
+    root = tmp_path_factory.mktemp("video_cp")
+    ckpt = write_checkpoint(str(root / "hf"), tiny_hf_config(mtp=True), fmt="fp32", mtp=True, seed=7)
+    row = training_row(documents(processor(ckpt)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks (see test_parallel_cp)
+    try:
+        steps, weights = _train(_build(ckpt), row, make_packed_seq_params(row["cu_seqlens"]), steps=2)
+    finally:
+        torch.set_num_threads(threads)
+    paths = str(root / "row.pt"), str(root / "ref.pt")
+    torch.save(row, paths[0])
+    torch.save((steps, weights), paths[1])
+    return ckpt, paths
+
+
+def _cp_worker(rank, world, port, q, ckpt, row_path, ref_path):
+    from test_context_parallel import _env, _rel
+
+    _env(rank, world, port)
+    try:
+        from megatron.core import parallel_state as ps
+
+        from megatron_glm5.data.context_parallel import split_batch_for_cp
+        from megatron_glm5.initialize import destroy_megatron, initialize_megatron
+        from test_parallel_cp import _build, _train
+
+        initialize_megatron(tp=1, cp=world)
+        model = _build(ckpt, cp=world)
+        local, psp = split_batch_for_cp(torch.load(row_path), world, ps.get_context_parallel_rank(), model.config)
+        got, weights = _train(model, local, psp, steps=2)
+        ref, ref_weights = torch.load(ref_path)
+        errs = {f"step{i} lm loss": abs(g[0] - r[0]) / abs(r[0]) for i, (g, r) in enumerate(zip(got, ref))}
+        errs["step0 grad"] = max(_rel(g, ref[0][2][n]) for n, g in got[0][2].items())
+        errs["vision grad"] = max(_rel(g, ref[0][2][n]) for n, g in got[0][2].items() if "vision_model" in n)
+        errs["weights"] = max(_rel(w, ref_weights[n]) for n, w in weights.items())
+        q.put((rank, (errs, psp.video_span_depth, psp.video_token_offset, [s[0] for s in got])))
+        destroy_megatron()
+    except Exception:  # pragma: no cover - reported to the parent
+        import traceback
+
+        q.put((rank, traceback.format_exc()))
+
+
+def test_video_row_cp2_equals_one_rank(cp_reference):
+    """The processor-built row (text | image + video | video) cut in two contiguous chunks whose edge falls inside
+    a video: every rank runs the vision tower on the row's images and videos and splices its chunk's features; the
+    lm loss of 2 SGD steps, the first step's gradients of every parameter (the vision tower's included, averaged
+    over CP) and the weights after the steps equal one rank's on the whole row."""
+    from test_context_parallel import spawn
+
+    ckpt, (row_path, ref_path) = cp_reference
+    results = spawn(_cp_worker, 2, ckpt, row_path, ref_path, timeout=600)
+    (errs0, depth0, off0, losses), (errs1, depth1, off1, _) = results[0], results[1]
+    print(f"\n[video cp2] lm loss {losses}; rank 1 starts inside a video (depth {depth1}, {off1} video tokens before)")
+    assert (depth0, off0) == (0, 0) and depth1 == 1 and off1 > 0, "the chunk edge must fall inside a video"
+    worst = {k: max(errs0[k], errs1[k]) for k in errs0}
+    print("[video cp2] " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    assert all(v <= 1e-5 for v in worst.values()), worst
