@@ -262,6 +262,32 @@ def training_row(docs):
     return out
 
 
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_cp_split_places_video_tokens(inputs, cp):
+    """Every chunk's image / video token masks (read with its ``video_span_depth``) are the row's masks cut to the
+    chunk, and its feature offsets count the image / video tokens before it, wherever the edges fall."""
+    from megatron_glm5.config import tiny_config
+    from megatron_glm5.data.context_parallel import split_batch_for_cp
+    from megatron_glm5.models.vision import image_token_mask, video_token_mask
+
+    cfg = tiny_config()
+    row = training_row(inputs[0])
+    img, vid = image_token_mask(row["tokens"], cfg)[0], video_token_mask(row["tokens"], cfg)[0]
+    depths = []
+    for rank in range(cp):
+        local, psp = split_batch_for_cp(row, cp, rank, cfg)
+        a, n = psp.chunk_offset, local["tokens"].shape[1]
+        pad = torch.zeros(psp.global_seq_len - img.numel(), dtype=torch.bool)
+        assert torch.equal(image_token_mask(local["tokens"], cfg, psp.video_span_depth)[0],
+                           torch.cat([img, pad])[a:a + n])
+        assert torch.equal(video_token_mask(local["tokens"], cfg, psp.video_span_depth)[0],
+                           torch.cat([vid, pad])[a:a + n])
+        assert (psp.image_token_offset, psp.video_token_offset) == (int(img[:a].sum()), int(vid[:a].sum()))
+        assert torch.equal(local["pixel_values_videos"], row["pixel_values_videos"])
+        depths.append(psp.video_span_depth)
+    assert 1 in depths  # some chunk begins inside a video
+
+
 @pytest.fixture(scope="module")
 def cp_reference(tmp_path_factory, mcore):
     """An MTP checkpoint, the processor-built video row, and 2 SGD steps of one rank on the whole row."""
