@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Pretrain or fine-tune GLM-5.3-Flash (text and image+text) with Megatron-LM's trainer — ``pretrain_gpt.py`` for
-this model: the model provider, the datasets provider, the batch, the loss and the forward step, handed to
+"""Pretrain or fine-tune GLM-5.3-Flash (text, image+text, video+text) with Megatron-LM's trainer — ``pretrain_gpt.py``
+for this model: the model provider, the datasets provider, the batch, the loss and the forward step, handed to
 ``megatron.training.pretrain``. Megatron-LM's flags, with the GLM flags of
 :func:`megatron_glm5.training.arguments.add_glm5_arguments` (``--hf-config``, ``--model-preset``,
 ``--dataset-type``, ``--freeze-vision``, the kernel backends).

@@ -1,4 +1,5 @@
-"""GLM-5.3 vision tower (ViT + 2x2 downsample + patch merger) and the image-feature splice into the LM embeddings.
+"""GLM-5.3 vision tower (ViT + 2x2 downsample + patch merger) and the image / video feature splice into the LM
+embeddings.
 
 Parameter names equal HF's ``model.visual.*`` keys without that prefix, so an HF state dict loads as is::
 
@@ -185,6 +186,11 @@ class _PatchMerger(nn.Module):
 class Glm5VisionModel(MegatronModule):
     """``forward(pixel_values [num_patches, C*T*P*P], image_grid_thw [num_images, 3]) ->
     [num_patches / merge**2, out_hidden_size]`` (HF's ``pooler_output``, all images concatenated in order).
+
+    Videos take the same call (``pixel_values_videos``, ``video_grid_thw``): a ``[t, h, w]`` row is ``t`` frames
+    (temporal patches) of ``h x w`` patches, each frame its own attention segment with the same (row, col)
+    positions, which is what HF's ``get_video_features`` computes by flattening the grid to ``t`` rows ``[1, h, w]``;
+    images and videos may be given in one call (the frames do not interact).
 
     ``config`` is the ``Glm5Config``; the tower is built from ``config.vision`` (or ``vision_config`` if given).
     Set ``self.recompute_blocks = True`` to checkpoint each ViT block (activation recompute).
