@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Pretrain or fine-tune GLM-5.3-Flash (text and image+text) with Megatron-LM's trainer — ``pretrain_gpt.py`` for
-this model: the model provider, the datasets provider, the batch, the loss and the forward step, handed to
+"""Pretrain or fine-tune GLM-5.3-Flash (text, image+text, video+text) with Megatron-LM's trainer — ``pretrain_gpt.py``
+for this model: the model provider, the datasets provider, the batch, the loss and the forward step, handed to
 ``megatron.training.pretrain``. Megatron-LM's flags, with the GLM flags of
 :func:`megatron_glm5.training.arguments.add_glm5_arguments` (``--hf-config``, ``--model-preset``,
 ``--dataset-type``, ``--freeze-vision``, the kernel backends).
@@ -163,7 +163,8 @@ def _checked_rows(batch: dict, config) -> dict:
 
 def get_batch(data_iterator, config) -> dict:
     """The next micro batch on this rank's device: tokens / labels [b, s], loss_mask [b, s]; a packed row (b = 1)
-    also has cu_seqlens [n_docs + 1] and, with images, pixel_values [patches, C*T*P*P] and image_grid_thw [k, 3].
+    also has cu_seqlens [n_docs + 1] and, with images, pixel_values [patches, C*T*P*P] and image_grid_thw [k, 3],
+    with videos pixel_values_videos [patches, C*T*P*P] and video_grid_thw [v, 3] (transformers' names).
 
     Under context parallelism the packed row is cut into this rank's contiguous chunk (padded to a multiple of
     CP x TP with sequence parallelism) and ``packed_seq_params`` says where the chunk sits in the row."""
@@ -178,7 +179,7 @@ def get_batch(data_iterator, config) -> dict:
     from megatron_glm5.training.flops import record_images
 
     batch = _checked_rows(next(data_iterator), config)
-    record_images(get_args().curr_iteration, batch.get("image_grid_thw"))
+    record_images(get_args().curr_iteration, batch.get("image_grid_thw"), batch.get("video_grid_thw"))
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:
         if "cu_seqlens" not in batch:  # plain rows: one document each, laid end to end as one packed row
@@ -249,7 +250,8 @@ def forward_step(data_iterator, model):
     timers("batch-generator").stop()
     output = model(batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
                    packed_seq_params=batch["packed_seq_params"], pixel_values=batch.get("pixel_values"),
-                   image_grid_thw=batch.get("image_grid_thw"), padding_mask=batch.get("padding_mask"))
+                   image_grid_thw=batch.get("image_grid_thw"), padding_mask=batch.get("padding_mask"),
+                   pixel_values_videos=batch.get("pixel_values_videos"), video_grid_thw=batch.get("video_grid_thw"))
     return output, partial(loss_func, batch["loss_mask"])
 
 

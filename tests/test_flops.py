@@ -73,3 +73,32 @@ def test_megatron_counts_with_this_formula():
 
     flops.install()
     assert training.num_floating_point_operations is flops.num_floating_point_operations
+
+
+def test_video_patches_count_like_image_patches(mcore):
+    """A micro batch's video_grid_thw is counted as the tower runs it: a [t, h, w] video is t frames of h x w patches
+    (what the same frames as t images give), added to the images' count; the tower's matrix products on a row of an
+    image and a video, counted by torch through the model's embedding, equal the formula's weight term."""
+    from megatron_glm5.training import flops
+
+    cfg, model, counts = _model(mcore)
+    vc = cfg.vision
+    image, video = torch.tensor([[1, 4, 4]]), torch.tensor([[3, 4, 6], [2, 2, 2]])
+    flops._VISION.clear()
+    flops.record_images(7, None, video)
+    flops.record_images(8, torch.tensor([[1, 4, 6]] * 3 + [[1, 2, 2]] * 2), None)
+    assert flops._VISION[7] == flops._VISION[8] == [3 * 24 + 2 * 4, 3 * 24 ** 2 + 2 * 4 ** 2]
+    flops.record_images(9, image, video)
+    patches, frames_sq = flops._VISION[9]
+    assert (patches, frames_sq) == (16 + 80, 16 ** 2 + 3 * 24 ** 2 + 2 * 4 ** 2)
+    flops._VISION.clear()
+
+    width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    n_img, n_vid = 16 // 4, 80 // 4
+    ids = torch.tensor([[5, cfg.image_start_token_id] + [cfg.image_token_id] * n_img + [cfg.image_end_token_id, 6,
+                         cfg.video_start_token_id] + [cfg.image_token_id] * n_vid + [cfg.video_end_token_id, 7]])
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.embed(ids, torch.randn(16, width), image, pixel_values_videos=torch.randn(80, width),
+                    video_grid_thw=video)
+    attention = 4.0 * vc.depth * vc.hidden_size * frames_sq
+    assert counter.get_total_flops() == flops.vision_flops(cfg, counts, patches, frames_sq, trained=False) - attention

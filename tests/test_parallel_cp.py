@@ -67,9 +67,9 @@ def _train(model, batch, psp, steps=STEPS, lr=LR):
     out = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
+        visual = {k: batch.get(k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
         per_token = model(batch["tokens"], labels=batch["labels"].clamp(min=0), loss_mask=batch["loss_mask"],
-                          packed_seq_params=psp, pixel_values=batch["pixel_values"],
-                          image_grid_thw=batch["image_grid_thw"])
+                          packed_seq_params=psp, **visual)
         share = cp_token_mean(per_token, batch["loss_mask"], group)
         (share * cp).backward()
         grads = {}

@@ -2,12 +2,15 @@
 
     python tools/hf_forward.py --hf-dir DIR --input IN.pt --output OUT.pt [--dtype fp32|bf16] [--device cpu|cuda]
 
-IN.pt: a dict saved with torch.save holding ``input_ids`` [b, s] int64 and optionally ``pixel_values``
-[num_patches, C*T*P*P] with ``image_grid_thw`` [num_images, 3] (the layout transformers' Glm5Next processor
-produces) and ``cu_seqlens`` (integer document boundaries of one packed row, b = 1, strictly increasing from 0 to
-s). It is loaded with ``weights_only=True``. All inputs are checked against config.json before the model is loaded.
-A checkpoint without MTP weights whose config declares MTP (transformers' save_pretrained) runs without MTP, with
-one notice. OUT.pt: ``{"logits": [b, s, vocab] float32}``, written atomically; it may not be an input or lie inside
+IN.pt: a dict saved with torch.save holding ``input_ids`` [b, s] int64 and optionally, under transformers' names and
+in the layout its Glm5Next processor produces, ``pixel_values`` [image patches, C*T*P*P] with ``image_grid_thw``
+[num_images, 3], ``pixel_values_videos`` [video patches, C*T*P*P] with ``video_grid_thw`` [num_videos, 3] (the
+processor's frames: image tokens inside ``<begin_video> .. <end_video>``), ``mm_token_type_ids`` [b, s] (0 text,
+1 image, 2 video; checked against the placeholders), ``attention_mask`` (all ones), and ``cu_seqlens`` (integer
+document boundaries of one packed row, b = 1, strictly increasing from 0 to s). It is loaded with
+``weights_only=True``. All inputs are checked against config.json before the model is loaded. A checkpoint without
+MTP weights whose config declares MTP (transformers' save_pretrained) runs without MTP, with one notice. OUT.pt:
+``{"logits": [b, s, vocab] float32}``, written atomically; it may not be an input or lie inside
 the checkpoint. On bad input it prints one error line, exits 2 and writes nothing.
 """
 
@@ -21,7 +24,8 @@ from megatron_glm5.checkpoint.errors import CheckpointError
 from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
 
 PROG = "hf_forward"
-INPUT_KEYS = ("input_ids", "pixel_values", "image_grid_thw", "cu_seqlens", "attention_mask")
+INPUT_KEYS = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "cu_seqlens",
+              "attention_mask", "mm_token_type_ids")
 
 
 class InputError(CheckpointError):
@@ -60,34 +64,51 @@ def check_inputs(batch, cfg) -> None:
                 (cu[1:] <= cu[:-1]).any()):
             raise InputError(f"cu_seqlens must increase strictly from 0 to s = {ids.shape[1]}, got "
                              f"{cu.tolist()[:16]}")
-    pv, grid = batch.get("pixel_values"), batch.get("image_grid_thw")
+    from megatron_glm5.models.vision import image_token_mask, video_token_mask
+
+    _check_visual(batch, cfg, "pixel_values", "image_grid_thw", "image", image_token_mask)
+    _check_visual(batch, cfg, "pixel_values_videos", "video_grid_thw", "video", video_token_mask)
+    types = batch.get("mm_token_type_ids")
+    if types is not None:
+        want = image_token_mask(ids, cfg).long() + 2 * video_token_mask(ids, cfg).long()
+        if tuple(types.shape) != tuple(ids.shape) or not torch.equal(types.long(), want):
+            raise InputError("mm_token_type_ids disagree with the image / video placeholders of input_ids (1: image "
+                             "tokens outside <begin_video> .. <end_video>, 2: inside)")
+
+
+def _check_visual(batch, cfg, pv_key: str, grid_key: str, what: str, token_mask) -> None:
+    """Check one pixel / grid pair (``pixel_values`` / ``image_grid_thw`` or the video pair) and that
+    ``input_ids`` hold one placeholder per merged patch (``token_mask``: where those placeholders are)."""
+    import torch
+
+    ids = batch["input_ids"]
+    pv, grid = batch.get(pv_key), batch.get(grid_key)
     if (pv is None) != (grid is None):
-        raise InputError("pixel_values and image_grid_thw must be given together")
+        raise InputError(f"{pv_key} and {grid_key} must be given together")
     if pv is None:
         return
     vc = cfg.vision
     if vc is None:
-        raise InputError("pixel_values given but the checkpoint has no vision_config")
+        raise InputError(f"{pv_key} given but the checkpoint has no vision_config")
     if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point() or grid.dtype == torch.bool:
-        raise InputError("image_grid_thw must be an integer tensor [num_images, 3]")
+        raise InputError(f"{grid_key} must be an integer tensor [num_{what}s, 3]")
     if grid.numel() == 0 or bool((grid <= 0).any()):
-        raise InputError("image_grid_thw entries must be positive")
+        raise InputError(f"{grid_key} entries must be positive")
     m = vc.spatial_merge_size
     if bool((grid[:, 1] % m).any()) or bool((grid[:, 2] % m).any()):
-        raise InputError(f"image_grid_thw: h and w must be multiples of vision_config.spatial_merge_size = {m}")
+        raise InputError(f"{grid_key}: h and w must be multiples of vision_config.spatial_merge_size = {m}")
     n_patches = int(grid.prod(-1).sum())
     width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
     if not pv.is_floating_point() or pv.dim() != 2 or tuple(pv.shape) != (n_patches, width):
-        raise InputError(f"pixel_values must be a float tensor [sum(t*h*w) = {n_patches}, C*T*P*P = {width}] "
+        raise InputError(f"{pv_key} must be a float tensor [sum(t*h*w) = {n_patches}, C*T*P*P = {width}] "
                          f"(vision_config), got {pv.dtype} {tuple(pv.shape)}")
     if not bool(torch.isfinite(pv).all()):
-        raise InputError("pixel_values contains NaN/inf")
-    from megatron_glm5.models.vision import image_token_mask
-
-    n_tok = int(image_token_mask(ids, cfg).sum())
+        raise InputError(f"{pv_key} contains NaN/inf")
+    n_tok = int(token_mask(ids, cfg).sum())
     if n_tok != n_patches // (m * m):
-        raise InputError(f"input_ids hold {n_tok} image tokens (id {cfg.image_token_id}) but image_grid_thw gives "
-                         f"{n_patches // (m * m)} merged patches")
+        where = "inside" if what == "video" else "outside"
+        raise InputError(f"input_ids hold {n_tok} {what} tokens (id {cfg.image_token_id} {where} <begin_video> .. "
+                         f"<end_video>) but {grid_key} gives {n_patches // (m * m)} merged patches")
 
 
 def run(hf_dir: str, batch: dict, dtype: str = "fp32", device: str = "cpu", log=stderr_line):
@@ -105,12 +126,13 @@ def run(hf_dir: str, batch: dict, dtype: str = "fp32", device: str = "cpu", log=
     psp = None
     if batch.get("cu_seqlens") is not None:
         psp = make_packed_seq_params(batch["cu_seqlens"].to(device=device, dtype=torch.int32))
-    pv = batch.get("pixel_values")
-    grid = batch.get("image_grid_thw")
+    visual = {}
+    for pv_key, grid_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if batch.get(pv_key) is not None:
+            visual[pv_key] = batch[pv_key].to(device=device, dtype=torch_dtype)
+            visual[grid_key] = batch[grid_key].to(device)
     with torch.no_grad():
-        logits = model(ids, packed_seq_params=psp,
-                       pixel_values=None if pv is None else pv.to(device=device, dtype=torch_dtype),
-                       image_grid_thw=None if grid is None else grid.to(device))
+        logits = model(ids, packed_seq_params=psp, **visual)
     return logits.float().cpu()
 
 

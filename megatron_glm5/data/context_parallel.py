@@ -2,9 +2,9 @@
 
 A micro-batch is one packed row (``b = 1``, THD, as ``data/collate.py`` lays it out): ``{tokens [1, s],
 labels [1, s], loss_mask [1, s], any other per-token [1, s] entry, cu_seqlens [n_docs + 1] (optional: one document),
-pixel_values / image_grid_thw (optional: the row's images)}``. :func:`split_batch_for_cp` pads the row and returns CP
-rank ``r``'s contiguous chunk plus the :class:`~megatron_glm5.models.context_parallel.ContextParallelPackedSeqParams`
-the model needs.
+pixel_values / image_grid_thw and pixel_values_videos / video_grid_thw (optional: the row's images and videos)}``.
+:func:`split_batch_for_cp` pads the row and returns CP rank ``r``'s contiguous chunk plus the
+:class:`~megatron_glm5.models.context_parallel.ContextParallelPackedSeqParams` the model needs.
 
 Why contiguous chunks: with ``cp`` contiguous chunks of a causal model the last rank has the most keys to attend
 to, so the work is not balanced (megatron's load-balanced cut gives rank ``r`` chunks ``r`` and ``2 cp - 1 - r``).
@@ -17,9 +17,10 @@ sequence parallelism, whose chunks are cut once more over TP). The padding is it
 the last real document), with ``pad_token_id`` tokens and labels and 0 in every other per-token entry (loss mask
 0): it changes no loss.
 
-Images: every CP rank keeps all of the row's ``pixel_values`` / ``image_grid_thw`` (the vision tower runs on every
-CP rank; it is small and usually frozen) and ``image_token_offset`` tells the model which feature rows belong to its
-chunk, so an image may span a chunk edge.
+Images and videos: every CP rank keeps all of the row's ``pixel_values`` / ``image_grid_thw`` and
+``pixel_values_videos`` / ``video_grid_thw`` (the vision tower runs on every CP rank; it is small and usually
+frozen); ``image_token_offset`` / ``video_token_offset`` tell the model which feature rows belong to its chunk and
+``video_span_depth`` whether the chunk begins inside a video, so an image or a video may span chunk edges.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from megatron_glm5.models.context_parallel import ContextParallelPackedSeqParams
 
 __all__ = ["split_batch_for_cp", "merge_cp_chunks"]
 
-ROW_KEYS = ("cu_seqlens", "pixel_values", "image_grid_thw")
+ROW_KEYS = ("cu_seqlens", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 """Entries that describe the whole row (never cut). Every other tensor entry of shape ``[1, s]`` is per-token."""
 
 
@@ -48,10 +49,12 @@ def split_batch_for_cp(batch: Dict, cp_size: int, cp_rank: int, config=None, *, 
     Args:
         batch: ``tokens`` ``[1, s]`` (required), ``labels`` / ``loss_mask`` / other per-token ``[1, s]`` entries,
             ``cu_seqlens`` int ``[n_docs + 1]`` from 0 to ``s`` (absent: the row is one document), ``pixel_values`` /
-            ``image_grid_thw`` (all images of the row), anything else (passed through).
+            ``image_grid_thw`` and ``pixel_values_videos`` / ``video_grid_thw`` (all images and videos of the row),
+            anything else (passed through).
         cp_size, cp_rank: the context-parallel group size and this rank's index in it (``cp_size = 1`` is allowed:
             the row is only padded).
-        config: ``Glm5Config`` (image token ids, pad id); required when the batch has ``pixel_values``.
+        config: ``Glm5Config`` (image / video token ids, pad id); required when the batch has ``pixel_values`` or
+            ``pixel_values_videos``.
         chunk_multiple: every chunk's length is a multiple of this (the TP size under sequence parallelism).
         pad_token_id: token id and label of the padding (default: ``config.pad_token_id``, else 0).
 
@@ -59,7 +62,8 @@ def split_batch_for_cp(batch: Dict, cp_size: int, cp_rank: int, config=None, *, 
         ``(local_batch, packed_seq_params)``: ``local_batch`` holds the ``[1, L]`` slices of the per-token entries
         (``L = padded length / cp``) and every other entry unchanged (``cu_seqlens`` is replaced by the chunk's local
         boundaries); ``packed_seq_params`` is a ``ContextParallelPackedSeqParams`` (``cu_seqlens_q/kv``: local
-        boundaries; ``cu_seqlens_global``, ``chunk_offset``, ``global_seq_len``, ``image_token_offset``).
+        boundaries; ``cu_seqlens_global``, ``chunk_offset``, ``global_seq_len``, ``image_token_offset``,
+        ``video_token_offset``, ``video_span_depth``).
 
     Raises:
         ValueError: a malformed batch (not one row, boundaries that do not cover the row, bad sizes).
@@ -96,18 +100,16 @@ def split_batch_for_cp(batch: Dict, cp_size: int, cp_rank: int, config=None, *, 
             x = torch.cat([x, x.new_full((1, total - s), pad)], dim=1)
         local[key] = x[:, start:start + chunk]
 
-    image_offset = 0
-    if batch.get("pixel_values") is not None:
+    offsets = {}
+    if batch.get("pixel_values") is not None or batch.get("pixel_values_videos") is not None:
         if config is None:
-            raise ValueError("split_batch_for_cp needs the model config to place the image tokens of a row")
-        from megatron_glm5.models.vision import image_token_mask
+            raise ValueError("split_batch_for_cp needs the model config to place the image and video tokens of a row")
+        from megatron_glm5.models.vision import image_token_mask, video_token_mask
 
-        mask = image_token_mask(tokens, config)[0]
-        image_offset = int(mask[:start].sum())
-        if not torch.equal(image_token_mask(local["tokens"], config)[0], torch.cat(
-                [mask, mask.new_zeros(total - s)])[start:start + chunk]):
-            raise ValueError("a video span crosses a context-parallel chunk edge; its image-token ids would be read "
-                             "as image tokens on the next rank")
+        before = tokens[:, :start]
+        depth = int((before == config.video_start_token_id).sum()) - int((before == config.video_end_token_id).sum())
+        offsets = dict(image_token_offset=int(image_token_mask(before, config).sum()),
+                       video_token_offset=int(video_token_mask(before, config).sum()), video_span_depth=depth)
 
     local_cu = local_cu_seqlens(cu, start, chunk)
     if "cu_seqlens" in batch:
@@ -115,7 +117,7 @@ def split_batch_for_cp(batch: Dict, cp_size: int, cp_rank: int, config=None, *, 
     max_len = int((local_cu[1:] - local_cu[:-1]).max())
     params = ContextParallelPackedSeqParams(
         qkv_format="thd", cu_seqlens_q=local_cu, cu_seqlens_kv=local_cu, max_seqlen_q=max_len, max_seqlen_kv=max_len,
-        cu_seqlens_global=cu, chunk_offset=start, global_seq_len=total, image_token_offset=image_offset)
+        cu_seqlens_global=cu, chunk_offset=start, global_seq_len=total, **offsets)
     return local, params
 
 

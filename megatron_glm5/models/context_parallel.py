@@ -21,7 +21,9 @@ and conv hand-off, the KPool indexer, DSA, the MTP roll, the image splice) also 
 
 * ``cu_seqlens_global``: document boundaries of the whole padded row (int32 ``[n_docs + 1]``, ends at ``S``);
 * ``chunk_offset``: row position of this rank's first token (``r L``), ``global_seq_len``: ``S``;
-* ``image_token_offset``: how many image tokens (the vision tower's feature rows) precede the chunk.
+* ``image_token_offset`` / ``video_token_offset``: how many image / video tokens (rows of the vision tower's image
+  / video features) precede the chunk; ``video_span_depth``: video spans open at the chunk's first token (video
+  starts minus ends before it), so a chunk that begins inside a video reads its image-token ids as video tokens.
 
 Under CP every module takes its CP group from its ``pg_collection`` (megatron's ``cp`` group by default); all
 cross-rank traffic is collectives on that group (all-gathers whose backward is a reduce-scatter), issued by every
@@ -51,7 +53,9 @@ __all__ = [
     "cp_token_mean",
     "mtp_loss_terms",
     "roll_left_in_documents",
+    "video_span_depth_of",
     "local_image_features",
+    "local_video_features",
 ]
 
 
@@ -61,14 +65,17 @@ class ContextParallelPackedSeqParams(PackedSeqParams):
 
     ``cu_seqlens_q`` / ``cu_seqlens_kv``: local boundaries ``[0, ..., L]`` of the chunk (int32).
     ``cu_seqlens_global``: boundaries of the whole padded row ``[0, ..., S]`` (int32); ``chunk_offset``: the row
-    position of the chunk's first token; ``global_seq_len``: ``S``; ``image_token_offset``: image tokens before the
-    chunk (index of the chunk's first image-feature row).
+    position of the chunk's first token; ``global_seq_len``: ``S``; ``image_token_offset`` / ``video_token_offset``:
+    image / video tokens before the chunk (index of the chunk's first image / video feature row);
+    ``video_span_depth``: video spans open at the chunk's first token.
     """
 
     cu_seqlens_global: torch.Tensor = None
     chunk_offset: int = 0
     global_seq_len: int = 0
     image_token_offset: int = 0
+    video_token_offset: int = 0
+    video_span_depth: int = 0
 
 
 def cp_group_of(pg_collection=None):
@@ -239,14 +246,33 @@ def roll_left_in_documents(x: torch.Tensor, packed_seq_params: Optional[PackedSe
     return out.masked_fill(starts_doc[None, :], 0)
 
 
-def local_image_features(features: torch.Tensor, input_ids: torch.Tensor,
-                         packed_seq_params: Optional[PackedSeqParams], config) -> torch.Tensor:
-    """The rows of the vision tower's output ``features`` ``[n_img_tokens_of_row, h]`` that belong to this chunk's
-    image tokens (every CP rank runs the tower on all images of its row). Without CP: ``features`` unchanged."""
+def video_span_depth_of(packed_seq_params: Optional[PackedSeqParams]) -> int:
+    """Video spans open at the first token of this rank's tokens: ``video_span_depth`` of a CP chunk, else 0."""
+    return getattr(packed_seq_params, "video_span_depth", 0) if isinstance(
+        packed_seq_params, ContextParallelPackedSeqParams) else 0
+
+
+def _local_features(features, input_ids, packed_seq_params, config, video: bool) -> torch.Tensor:
     if not isinstance(packed_seq_params, ContextParallelPackedSeqParams) or \
             packed_seq_params.global_seq_len == input_ids.shape[-1]:
         return features
-    from megatron_glm5.models.vision import image_token_mask
+    from megatron_glm5.models.vision import image_token_mask, video_token_mask
 
-    start = packed_seq_params.image_token_offset
-    return features[start:start + int(image_token_mask(input_ids, config).sum())]
+    p = packed_seq_params
+    mask = (video_token_mask if video else image_token_mask)(input_ids, config, p.video_span_depth)
+    start = p.video_token_offset if video else p.image_token_offset
+    return features[start:start + int(mask.sum())]
+
+
+def local_image_features(features: torch.Tensor, input_ids: torch.Tensor,
+                         packed_seq_params: Optional[PackedSeqParams], config) -> torch.Tensor:
+    """The rows of the vision tower's image features ``[n_img_tokens_of_row, h]`` that belong to this chunk's
+    image tokens (every CP rank runs the tower on all images of its row). Without CP: ``features`` unchanged."""
+    return _local_features(features, input_ids, packed_seq_params, config, video=False)
+
+
+def local_video_features(features: torch.Tensor, input_ids: torch.Tensor,
+                         packed_seq_params: Optional[PackedSeqParams], config) -> torch.Tensor:
+    """:func:`local_image_features` for the video features ``[n_video_tokens_of_row, h]`` (every CP rank runs the
+    tower on all videos of its row; a video may span chunk edges)."""
+    return _local_features(features, input_ids, packed_seq_params, config, video=True)

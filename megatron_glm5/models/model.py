@@ -1,6 +1,6 @@
 """GLM-5.3-Flash as a megatron-core language model (built like megatron-core's ``GPTModel``).
 
-    first stage:  input_ids [b, s] -> embedding [s, b, h] (+ image features spliced at image-token positions)
+    first stage:  input_ids [b, s] -> embedding [s, b, h] (+ image / video features spliced at their placeholders)
                   -> (sequence parallel: scatter along s) -> expand to hc_mult streams [s, b, n*h]
     every stage:  decoder layers of this PP (VPP) stage, streams in and out [s(/tp), b, n*h]
     last stage:   mean over streams [s, b, h] -> final RMSNorm -> (MTP block) -> untied output layer
@@ -43,7 +43,13 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megatron_glm5.config import Glm5Config
 from megatron_glm5.kernels.cross_entropy import vocab_parallel_cross_entropy
-from megatron_glm5.models.context_parallel import local_image_features, mtp_loss_terms, roll_left_in_documents
+from megatron_glm5.models.context_parallel import (
+    local_image_features,
+    local_video_features,
+    mtp_loss_terms,
+    roll_left_in_documents,
+    video_span_depth_of,
+)
 from megatron_glm5.models.layer_specs import get_layer_spec, get_mtp_block_spec, get_stage_layer_range
 from megatron_glm5.models.mhc import contract_streams, expand_streams
 from megatron_glm5.models.norms import RMSNorm
@@ -208,23 +214,41 @@ class Glm5Model(LanguageModule):
 
     # ------------------------------------------------------------------ pieces
     def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None,
-              packed_seq_params=None) -> torch.Tensor:
-        """input_ids [b, s] -> embeddings [s, b, h] (this CP rank's chunk, not scattered over TP) with image features
-        spliced in. Under context parallelism every rank runs the vision tower on all images of its row and splices
-        the features of its chunk's image tokens. The vision tower is replicated over TP: every TP rank computes the
-        same features, so its gradients are equal on all TP ranks without a reduction (the sequence-parallel
-        scatter after the splice all-gathers the gradient)."""
+              packed_seq_params=None, pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
+        """input_ids [b, s] -> embeddings [s, b, h] (this CP rank's chunk, not scattered over TP) with the image and
+        video features spliced in (transformers' names: ``pixel_values`` [image patches, C*T*P*P] with
+        ``image_grid_thw`` [k, 3], ``pixel_values_videos`` [video patches, C*T*P*P] with ``video_grid_thw`` [v, 3],
+        each in placeholder order). The vision tower runs once on the images and videos together (every frame is
+        its own attention segment, so this equals transformers' separate image and video passes); image features go
+        to the image tokens outside video spans, video features to those inside them. Under context parallelism
+        every rank runs the tower on all images and videos of its row and splices the features of its chunk's
+        tokens. The tower is replicated over TP: every TP rank computes the same features, so its gradients are
+        equal on all TP ranks without a reduction (the sequence-parallel scatter after the splice all-gathers the
+        gradient)."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
-        if pixel_values is not None:
-            if self.vision_model is None:
-                raise ValueError("pixel_values given but the config has no vision tower")
-            from megatron_glm5.models.vision import splice_image_features
+        if (pixel_values is None) != (image_grid_thw is None) or \
+                (pixel_values_videos is None) != (video_grid_thw is None):
+            raise ValueError("pixel_values / image_grid_thw and pixel_values_videos / video_grid_thw come in pairs")
+        if pixel_values is None and pixel_values_videos is None:
+            return emb
+        if self.vision_model is None:
+            raise ValueError("pixel_values / pixel_values_videos given but the config has no vision tower")
+        from megatron_glm5.models.vision import splice_image_features, splice_video_features
 
-            feats = self.vision_model(pixel_values, image_grid_thw)
-            feats = local_image_features(feats, input_ids, packed_seq_params, self.config)
-            emb = splice_image_features(input_ids, emb.transpose(0, 1), feats.to(emb.dtype),
-                                        self.config).transpose(0, 1).contiguous()
-        return emb
+        parts = [(pv, grid) for pv, grid in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
+                 if pv is not None]
+        feats = self.vision_model(torch.cat([pv for pv, _ in parts]), torch.cat([g.to(torch.long) for _, g in parts]))
+        n_image = 0 if pixel_values is None else \
+            int(image_grid_thw.to(torch.long).prod(-1).sum()) // self.vision_model.spatial_merge_size ** 2
+        depth = video_span_depth_of(packed_seq_params)
+        x = emb.transpose(0, 1)
+        if pixel_values is not None:
+            img = local_image_features(feats[:n_image], input_ids, packed_seq_params, self.config)
+            x = splice_image_features(input_ids, x, img.to(emb.dtype), self.config, video_span_depth=depth)
+        if pixel_values_videos is not None:
+            vid = local_video_features(feats[n_image:], input_ids, packed_seq_params, self.config)
+            x = splice_video_features(input_ids, x, vid.to(emb.dtype), self.config, video_span_depth=depth)
+        return x.transpose(0, 1).contiguous()
 
     def _scatter_sp(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> this TP rank's [s/tp, b, h] under sequence parallelism (identity otherwise)."""
@@ -253,7 +277,7 @@ class Glm5Model(LanguageModule):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask=None, labels: Optional[torch.Tensor] = None, loss_mask=None,
                 packed_seq_params=None, pixel_values=None, image_grid_thw=None,
-                padding_mask: Optional[torch.Tensor] = None):
+                padding_mask: Optional[torch.Tensor] = None, pixel_values_videos=None, video_grid_thw=None):
         """input_ids [b, s] (b = 1 with packed_seq_params for a packed row).
 
         Returns logits [b, s, vocab] (vocab-parallel unless parallel_output=False) without labels, the per-token loss
@@ -263,9 +287,12 @@ class Glm5Model(LanguageModule):
         ``padding_mask`` [b, s] bool (True = padding, e.g. the tokens a CP split appends; megatron GPTModel's
         argument): the MoE routers (decoder and MTP) leave those tokens out of the expert loads and aux losses, so
         padding changes neither the expert-bias update nor the aux loss. Give it on every pipeline stage.
+        ``pixel_values`` / ``image_grid_thw`` and ``pixel_values_videos`` / ``video_grid_thw``: the row's images and
+        videos as transformers' processor lays them out (read on the first stage only, see :meth:`embed`).
         """
         if self.pre_process:
-            emb = self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params)
+            emb = self.embed(input_ids, pixel_values, image_grid_thw, packed_seq_params, pixel_values_videos,
+                             video_grid_thw)
             hidden = expand_streams(self._scatter_sp(emb), self.hc_mult)
         else:
             hidden = None  # the decoder reads the previous stage's streams

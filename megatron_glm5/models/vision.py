@@ -1,4 +1,5 @@
-"""GLM-5.3 vision tower (ViT + 2x2 downsample + patch merger) and the image-feature splice into the LM embeddings.
+"""GLM-5.3 vision tower (ViT + 2x2 downsample + patch merger) and the image / video feature splice into the LM
+embeddings.
 
 Parameter names equal HF's ``model.visual.*`` keys without that prefix, so an HF state dict loads as is::
 
@@ -40,8 +41,11 @@ __all__ = [
     "Glm5VisionModel",
     "vision_position_ids",
     "vision_cu_seqlens",
+    "video_span_mask",
     "image_token_mask",
+    "video_token_mask",
     "splice_image_features",
+    "splice_video_features",
 ]
 
 
@@ -183,6 +187,11 @@ class Glm5VisionModel(MegatronModule):
     """``forward(pixel_values [num_patches, C*T*P*P], image_grid_thw [num_images, 3]) ->
     [num_patches / merge**2, out_hidden_size]`` (HF's ``pooler_output``, all images concatenated in order).
 
+    Videos take the same call (``pixel_values_videos``, ``video_grid_thw``): a ``[t, h, w]`` row is ``t`` frames
+    (temporal patches) of ``h x w`` patches, each frame its own attention segment with the same (row, col)
+    positions, which is what HF's ``get_video_features`` computes by flattening the grid to ``t`` rows ``[1, h, w]``;
+    images and videos may be given in one call (the frames do not interact).
+
     ``config`` is the ``Glm5Config``; the tower is built from ``config.vision`` (or ``vision_config`` if given).
     Set ``self.recompute_blocks = True`` to checkpoint each ViT block (activation recompute).
     """
@@ -246,31 +255,59 @@ class Glm5VisionModel(MegatronModule):
 
 
 # ----------------------------------------------------------------------------------------------- splice
-def image_token_mask(input_ids: torch.Tensor, config) -> torch.Tensor:
-    """Bool ``[b, s]``: ``image_token_id`` positions outside every ``video_start .. video_end`` span."""
-    is_img = input_ids == config.image_token_id
+def video_span_mask(input_ids: torch.Tensor, config, video_span_depth: int = 0) -> torch.Tensor:
+    """Bool ``[b, s]``: positions inside a ``video_start .. video_end`` span (HF's rule: more video starts than ends
+    up to and including the position). ``video_span_depth``: starts minus ends before ``input_ids[:, 0]`` (non-zero
+    for a context-parallel chunk that begins inside a video)."""
     starts = (input_ids == config.video_start_token_id).cumsum(-1)
     ends = (input_ids == config.video_end_token_id).cumsum(-1)
-    return is_img & ~(starts > ends)
+    return starts + video_span_depth > ends
+
+
+def image_token_mask(input_ids: torch.Tensor, config, video_span_depth: int = 0) -> torch.Tensor:
+    """Bool ``[b, s]``: ``image_token_id`` positions outside every ``video_start .. video_end`` span (the image
+    features' places; see :func:`video_span_mask` for ``video_span_depth``)."""
+    return (input_ids == config.image_token_id) & ~video_span_mask(input_ids, config, video_span_depth)
+
+
+def video_token_mask(input_ids: torch.Tensor, config, video_span_depth: int = 0) -> torch.Tensor:
+    """Bool ``[b, s]``: ``image_token_id`` positions inside a video span (the video features' places: GLM's
+    processor writes every frame of a video as ``<begin_image> <image> * k <end_image> "t seconds"`` between
+    ``<begin_video>`` and ``<end_video>``)."""
+    return (input_ids == config.image_token_id) & video_span_mask(input_ids, config, video_span_depth)
+
+
+def _splice(mask: torch.Tensor, inputs_embeds: torch.Tensor, features: torch.Tensor, what: str,
+            sequence_first: bool) -> torch.Tensor:
+    n_tok = int(mask.sum())
+    h = inputs_embeds.shape[-1]
+    if features.dim() != 2 or features.shape[0] != n_tok or features.shape[-1] != h:
+        raise ValueError(f"splice_{what}_features: {n_tok} {what} tokens in input_ids but {what} features of shape "
+                         f"{tuple(features.shape)} (expected [{n_tok}, {h}])")
+    feats = features.to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
+    mask = mask.unsqueeze(-1).to(inputs_embeds.device)
+    if sequence_first:
+        return inputs_embeds.transpose(0, 1).masked_scatter(mask, feats).transpose(0, 1).contiguous()
+    return inputs_embeds.masked_scatter(mask, feats)
 
 
 def splice_image_features(input_ids: torch.Tensor, inputs_embeds: torch.Tensor, image_features: torch.Tensor,
-                          config, sequence_first: bool = False) -> torch.Tensor:
+                          config, sequence_first: bool = False, video_span_depth: int = 0) -> torch.Tensor:
     """Replace the embeddings at image-token positions (row-major order over ``[b, s]``) with ``image_features``.
 
     ``input_ids`` ``[b, s]``; ``inputs_embeds`` ``[b, s, h]`` (or ``[s, b, h]`` with ``sequence_first=True``);
     ``image_features`` ``[n_img_tokens, h]``. Image-token ids inside video spans are left alone (HF's placeholder
-    rule). Raises ``ValueError`` if the number of image tokens and features differ. Differentiable in both
-    ``inputs_embeds`` and ``image_features``.
+    rule, :func:`image_token_mask`). Raises ``ValueError`` if the number of image tokens and features differ.
+    Differentiable in both ``inputs_embeds`` and ``image_features``.
     """
-    mask = image_token_mask(input_ids, config)
-    n_tok = int(mask.sum())
-    if image_features.dim() != 2 or image_features.shape[0] != n_tok or image_features.shape[-1] != inputs_embeds.shape[-1]:
-        raise ValueError(
-            f"splice_image_features: {n_tok} image tokens in input_ids (outside video spans) but image features of "
-            f"shape {tuple(image_features.shape)} (expected [{n_tok}, {inputs_embeds.shape[-1]}])")
-    feats = image_features.to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
-    if sequence_first:
-        out = inputs_embeds.transpose(0, 1).masked_scatter(mask.unsqueeze(-1).to(inputs_embeds.device), feats)
-        return out.transpose(0, 1).contiguous()
-    return inputs_embeds.masked_scatter(mask.unsqueeze(-1).to(inputs_embeds.device), feats)
+    return _splice(image_token_mask(input_ids, config, video_span_depth), inputs_embeds, image_features, "image",
+                   sequence_first)
+
+
+def splice_video_features(input_ids: torch.Tensor, inputs_embeds: torch.Tensor, video_features: torch.Tensor,
+                          config, sequence_first: bool = False, video_span_depth: int = 0) -> torch.Tensor:
+    """:func:`splice_image_features` for videos: ``video_features`` ``[n_video_tokens, h]`` (all frames of all
+    videos in order) replace the embeddings at the image-token positions inside video spans
+    (:func:`video_token_mask`)."""
+    return _splice(video_token_mask(input_ids, config, video_span_depth), inputs_embeds, video_features, "video",
+                   sequence_first)

@@ -22,9 +22,10 @@ Per text token (``T = global batch x seq_length`` tokens an iteration; forward 1
 * mHC, per site (two a layer, the MTP layer's included): stream collapse, expansion and mixing,
   ``2 h n (n + 2)`` a token (``n = hc_mult``), times 3.
 
-Vision (per image patch, from the micro batches' ``image_grid_thw``): ``6 N_v`` for the tower's matrix weights
-before the ``m x m`` merge, ``6 N_m / m^2`` for the downsample and merger, and attention ``12 depth h_v L`` for a
-patch in a frame of ``L`` patches; ``2`` and ``4`` instead of ``6`` and ``12`` with ``--freeze-vision``.
+Vision (per image or video patch, from the micro batches' ``image_grid_thw`` and ``video_grid_thw``; a video's
+``t`` temporal patches are ``t`` frames of ``h w`` patches, each its own attention segment): ``6 N_v`` for the
+tower's matrix weights before the ``m x m`` merge, ``6 N_m / m^2`` for the downsample and merger, and attention
+``12 depth h_v L`` for a patch in a frame of ``L`` patches; ``2`` and ``4`` instead of ``6`` and ``12`` with ``--freeze-vision``.
 
 :func:`install` makes this Megatron-LM's ``num_floating_point_operations``; the model's weight counts are read
 once, summed over the model-parallel ranks (:func:`weight_counts`).
@@ -56,15 +57,18 @@ def register_model_chunk(module: torch.nn.Module) -> None:
     _MODEL_CHUNKS.append(module)
 
 
-def record_images(iteration: int, image_grid_thw: Optional[torch.Tensor]) -> None:
-    """Count a micro batch's image patches (and squared frame lengths) for iteration ``iteration``."""
-    if image_grid_thw is None or image_grid_thw.numel() == 0:
-        return
-    grid = image_grid_thw.detach().to("cpu", torch.float64)
-    frame = grid[:, 1] * grid[:, 2]
-    entry = _VISION.setdefault(iteration, [0.0, 0.0])
-    entry[0] += float((grid[:, 0] * frame).sum())
-    entry[1] += float((grid[:, 0] * frame * frame).sum())
+def record_images(iteration: int, image_grid_thw: Optional[torch.Tensor],
+                  video_grid_thw: Optional[torch.Tensor] = None) -> None:
+    """Count a micro batch's image and video patches (and squared frame lengths) for iteration ``iteration``: the
+    tower treats a ``[t, h, w]`` grid row, image or video, as ``t`` frames of ``h w`` patches."""
+    for grid in (image_grid_thw, video_grid_thw):
+        if grid is None or grid.numel() == 0:
+            continue
+        grid = grid.detach().to("cpu", torch.float64)
+        frame = grid[:, 1] * grid[:, 2]
+        entry = _VISION.setdefault(iteration, [0.0, 0.0])
+        entry[0] += float((grid[:, 0] * frame).sum())
+        entry[1] += float((grid[:, 0] * frame * frame).sum())
 
 
 def _classify(name: str, param: torch.nn.Parameter, config) -> Optional[tuple]:
