@@ -4,13 +4,11 @@ timestamps, ``<begin_video> (<begin_image> <image>*k <end_image> "t seconds")* <
 a text document, a document with an image and a video, and a document with another video, and for one sample
 un-packed; tools/hf_forward.py with the same input names; the context-parallel cut of a row with a video.
 
-Tolerance. The issue asks max |dlogit| <= 1e-5 x max |logit| against transformers. On rows with video this tiny
-random model sits at that level in fp32 rounding alone: transformers' own fp32 logits differ from its fp64 logits by
-0.7e-5 .. 1.4e-5 x max |logit| (measured over inputs and checkpoint seeds; a 1e-6 relative change of the video
-features moves the logits by ~7e-6), and two fp32 implementations of the same math (its Conv3d / Conv2d / eager
-attention, our matmuls / SDPA) differ by the sum of both roundings. So the exact reference is transformers in fp64
-(its experts in eager mode, fp64 has no grouped GEMM) and the test asserts: our fp32 logits are within 1e-5 of it, or
-no further than 1.5 x transformers' own fp32 logits are; within 3e-5 of transformers' fp32 logits; top-1 100 %.
+Tolerance: max |dlogit| <= 1e-5 x max |logit| against transformers' fp32 logits, top-1 100 %. This tiny random
+model amplifies rounding in the video features (a 1e-6 relative change moves the logits by ~7e-6; transformers' own
+fp32 logits differ from its fp64 logits by up to 1.6e-5 x max |logit|), so the patch embedding runs transformers'
+Conv3d, as the HF model does, rather than the equal matmul. Also printed and bounded: the distance of both to
+transformers in fp64 (its experts in eager mode), ours no further than 1.5 x transformers' own fp32 logits are.
 """
 
 import json
@@ -25,8 +23,7 @@ from megatron_glm5.data.synthetic import cu_seqlens_of
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-TOL = 1e-5  # max |dlogit| <= TOL x max |logit| against transformers' fp64 logits (see the module docstring)
-TOL_FP32 = 3e-5  # against transformers' fp32 logits
+TOL_FP32 = 1e-5  # max |dlogit| <= TOL_FP32 x max |logit| against transformers' fp32 logits (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +138,7 @@ def check_logits(got, ref32, ref64, label):
     top1 = (got.argmax(-1) == ref32.argmax(-1)).float().mean().item()
     print(f"\n[video parity, {label}] max|dlogit| / max|logit|: ours fp32 vs transformers fp64 {ours64:.2e}, "
           f"transformers fp32 vs fp64 {hf64:.2e}, ours fp32 vs transformers fp32 {ours32:.2e}; top-1 {top1:.1%}")
-    assert ours64 <= max(TOL, 1.5 * hf64), (label, ours64, hf64)
+    assert ours64 <= 1.5 * hf64, (label, ours64, hf64)
     assert ours32 <= TOL_FP32, (label, ours32)
     assert top1 == 1.0, label
 

@@ -16,8 +16,10 @@ The tower is replicated over tensor parallelism (plain torch modules; it is smal
 HF's ``Glm5NextVisionModel``: patches are ordered block-major over ``m x m`` merge blocks (the processor's order),
 2-D axial RoPE from (row, col) grid positions, non-causal attention inside each frame of each image, q/k RMSNorm
 per head, clamped-SwiGLU MLPs, post RMSNorm, the ``m x m`` downsample and the merger (GELU(LayerNorm(proj)) then a
-clamped SwiGLU). The Conv3d patch embedding and the Conv2d downsample have kernel == stride == their input, so they
-are computed as the equivalent matmuls (same parameters, same math, much faster than cuDNN's 3-D conv).
+clamped SwiGLU). The Conv3d patch embedding and the Conv2d downsample have kernel == stride == their input, so on
+CUDA they are computed as the equivalent matmuls (same parameters, same math, much faster than cuDNN's 3-D conv); on
+the CPU the patch embedding is transformers' Conv3d itself, whose rounding the fp32 parity with transformers needs
+(this small model amplifies a 1e-6 relative change of the vision features into ~7e-6 of the logits).
 
 The rotary inverse frequencies are recomputed in fp32 on each call (no buffer that a bf16 cast could round).
 """
@@ -164,6 +166,8 @@ class _PatchEmbed(nn.Module):
         w = self.proj.weight
         if pixels.shape[-1] != w[0].numel():
             raise ValueError(f"pixel_values last dim {pixels.shape[-1]} != C*T*P*P = {w[0].numel()}")
+        if not pixels.is_cuda:
+            return self.proj(pixels.to(w.dtype).view(-1, *w.shape[1:])).view(-1, w.shape[0])
         return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
