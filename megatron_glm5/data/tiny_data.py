@@ -63,6 +63,31 @@ def make_tiny_tokenizer(out_dir: str, vocab_size: int = 200, seed: int = 0) -> s
     return train_tiny_tokenizer(texts, os.path.join(out_dir, "tokenizer.json"), vocab_size)
 
 
+GLM_CHAT_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|observation|>")
+"""GLM's chat special tokens the tiny tokenizer of :func:`write_tiny_hf_assets` adds (``<|user|>`` and
+``<|assistant|>`` are in :data:`~megatron_glm5.data.tokenizer.TINY_SPECIAL_TOKENS`)."""
+
+GLM_CHAT_TEMPLATE = (
+    "{%- macro visible_text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for item in content -%}"
+    "{%- if item.type == 'video' or 'video' in item -%}<|begin_of_video|><|video|><|end_of_video|>"
+    "{%- elif item.type == 'image' or 'image' in item -%}<|begin_of_image|><|image|><|end_of_image|>"
+    "{%- elif item.type == 'text' -%}{{ item.text }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "[gMASK]<sop>"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}<|system|>\n{{ visible_text(m.content) }}"
+    "{%- elif m.role == 'user' -%}<|user|>\n{{ visible_text(m.content) }}"
+    "{%- elif m.role == 'assistant' -%}<|assistant|>\n{{ visible_text(m.content) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>\n{% endif %}")
+"""A chat template in the style of GLM's released ones (``[gMASK]<sop>``, ``<|system|>`` / ``<|user|>`` /
+``<|assistant|>`` turns with no end-of-turn token, images as ``<|begin_of_image|><|image|><|end_of_image|>``,
+videos as ``<|begin_of_video|><|video|><|end_of_video|>``), for the tiny checkpoint and data (no hub is reachable)."""
+
 # GLM-5.3's multimodal special tokens and the config fields holding their ids
 MULTIMODAL_TOKENS = (("<|image|>", "image_token_id"), ("<|video|>", "video_token_id"),
                      ("<|begin_of_image|>", "image_start_token_id"), ("<|end_of_image|>", "image_end_token_id"),
@@ -80,10 +105,15 @@ def write_tiny_hf_assets(hf_dir: str, hf_config: dict) -> str:
     ids = [int(hf_config[field]) for _, field in MULTIMODAL_TOKENS]
     if ids != list(range(ids[0], ids[0] + len(ids))):
         raise ValueError(f"the multimodal token ids {ids} are not consecutive")
-    path = make_tiny_tokenizer(hf_dir, vocab_size=ids[0])
+    path = make_tiny_tokenizer(hf_dir, vocab_size=ids[0] - len(GLM_CHAT_TOKENS))
     tok = Tokenizer.from_file(path)
     n = tok.get_vocab_size(with_added_tokens=True)
-    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(n, ids[0])]
+    extra = [t for t in GLM_CHAT_TOKENS if tok.token_to_id(t) is None]
+    if n + len(extra) > ids[0]:
+        raise ValueError(f"no room for GLM's chat tokens below the first multimodal id {ids[0]}")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra]
+                           + [AddedToken(f"<|reserved_{i}|>", special=True, normalized=False)
+                              for i in range(n + len(extra), ids[0])]
                            + [AddedToken(t, special=True, normalized=False) for t, _ in MULTIMODAL_TOKENS])
     tok.save(path)
     if [tok.token_to_id(t) for t, _ in MULTIMODAL_TOKENS] != ids:
@@ -104,8 +134,7 @@ def write_tiny_hf_assets(hf_dir: str, hf_config: dict) -> str:
         with open(os.path.join(hf_dir, name), "w", encoding="utf-8") as fh:
             json.dump(obj, fh, indent=2)
     with open(os.path.join(hf_dir, "chat_template.jinja"), "w", encoding="utf-8") as fh:
-        fh.write("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        fh.write(GLM_CHAT_TEMPLATE)
     return hf_dir
 
 
@@ -139,4 +168,84 @@ def make_vqa_webdataset(path: str, n: int, seed: int = 0) -> str:
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+VIDEO_SIZES = ((48, 64), (56, 56))  # (height, width); even, as yuv420p needs
+
+
+def video_samples(n: int, seed: int = 0, frames: int = 8) -> List[Tuple[np.ndarray, str, str]]:
+    """``n`` (uint8 video [frames, h, w, 3], question, answer) triples: a solid background with a square of another
+    colour moving left to right."""
+    rng = np.random.default_rng([seed, 1])
+    names = list(COLOURS)
+    out = []
+    for i in range(n):
+        h, w = VIDEO_SIZES[i % len(VIDEO_SIZES)]
+        bg, fg = rng.choice(len(names), size=2, replace=False)
+        side = min(h, w) // 2
+        y = int(rng.integers(0, h - side + 1))
+        video = np.empty((frames, h, w, 3), dtype=np.uint8)
+        video[:] = COLOURS[names[bg]]
+        for t in range(frames):
+            x = (w - side) * t // max(frames - 1, 1)
+            video[t, y:y + side, x:x + side] = COLOURS[names[fg]]
+        out.append((video, "what colour is the moving square?", f"the moving square is {names[fg]}."))
+    return out
+
+
+def write_video(path: str, video: np.ndarray, fps: int = 4) -> str:
+    """Encode ``video`` (uint8 [frames, h, w, 3]) with PyAV: MPEG-4 Part 2 in ``.mp4``, VP8 in ``.webm``."""
+    import av
+
+    codec = "libvpx" if path.endswith(".webm") else "mpeg4"
+    with av.open(path, mode="w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = int(video.shape[2]), int(video.shape[1])
+        stream.pix_fmt = "yuv420p"
+        if codec == "mpeg4":
+            stream.options = {"qscale": "2"}
+        for frame in video:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def make_chat_jsonl(out_dir: str, n: int, seed: int = 0) -> str:
+    """``out_dir/chat.jsonl``: ``n`` conversations in the HF / OpenAI messages form, cycling through an image
+    question with a follow-up turn, a video question (``videos/NNNN.mp4`` or ``.webm``), an image question with a
+    system prompt, and a text-only exchange; images under ``out_dir/images/``. Paths are relative to the JSONL."""
+    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "videos"), exist_ok=True)
+    images = vqa_samples(n, seed)
+    videos = video_samples(n, seed)
+    texts = tiny_texts(n, seed)
+    path = os.path.join(out_dir, "chat.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            kind = i % 4
+            if kind in (0, 2):
+                img, q, a = images[i]
+                rel = f"images/{i:04d}.png"
+                with open(os.path.join(out_dir, rel), "wb") as g:
+                    g.write(_png(img))
+                messages = [{"role": "user", "content": [{"type": "image", "image": rel}, {"type": "text", "text": q}]},
+                            {"role": "assistant", "content": [{"type": "text", "text": a}]}]
+                if kind == 0:
+                    messages += [{"role": "user", "content": "is the image large?"},
+                                 {"role": "assistant", "content": "no, the image is small."}]
+                else:
+                    messages.insert(0, {"role": "system", "content": "answer with one short sentence."})
+            elif kind == 1:
+                video, q, a = videos[i]
+                rel = f"videos/{i:04d}.{'mp4' if i % 8 == 1 else 'webm'}"
+                write_video(os.path.join(out_dir, rel), video)
+                messages = [{"role": "user", "content": [{"type": "video", "video": rel}, {"type": "text", "text": q}]},
+                            {"role": "assistant", "content": a}]
+            else:
+                messages = [{"role": "user", "content": "say something about a scan."},
+                            {"role": "assistant", "content": texts[i]}]
+            f.write(json.dumps({"messages": messages}) + "\n")
     return path

@@ -1,0 +1,201 @@
+"""Conversations rendered by the checkpoint's chat template (``--dataset-type chat``): our token ids, labels mask and
+pixel tensors equal what transformers' Glm5NextProcessor gives with the same template (a GLM-style template the tiny
+assets carry), for multi-turn conversations with images, videos and system prompts; the loss switches; bad input."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_glm5.config import Glm5Config, tiny_hf_config
+from megatron_glm5.data import DataError
+from megatron_glm5.data.chat_template import build_processor, build_video_processor, load_chat_template
+from megatron_glm5.data.conversations import ChatDocuments, PackedChatDataset, read_conversations
+from megatron_glm5.data.tiny_data import GLM_CHAT_TEMPLATE, make_chat_jsonl, write_tiny_hf_assets
+from megatron_glm5.data.vqa import build_image_processor
+
+TAGGED = GLM_CHAT_TEMPLATE.replace("<|assistant|>\n{{ visible_text(m.content) }}",
+                                   "<|assistant|>\n{% generation %}{{ visible_text(m.content) }}{% endgeneration %}")
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    hf = tiny_hf_config()
+    write_tiny_hf_assets(str(root / "hf"), hf)
+    path = make_chat_jsonl(str(root / "chat"), 8)
+    cfg = Glm5Config.from_hf(hf)
+
+    def processor(template=None):
+        return build_processor(str(root / "hf"), template or load_chat_template(str(root / "hf")),
+                               build_image_processor(cfg.vision), build_video_processor(cfg.vision))
+
+    return root, path, cfg, processor
+
+
+def _decode_all(path):
+    """Every frame of a video and its metadata, decoded independently of the project's reader."""
+    import av
+    from transformers.video_utils import VideoMetadata
+
+    with av.open(path) as c:
+        s = c.streams.video[0]
+        fps = float(s.average_rate)
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    return frames, VideoMetadata(total_num_frames=len(frames), fps=fps, width=frames.shape[2], height=frames.shape[1],
+                                 duration=len(frames) / fps, video_backend="pyav")
+
+
+def _raw(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_ids_masks_and_pixels_equal_the_processor(chat):
+    from PIL import Image
+
+    root, path, cfg, processor = chat
+    proc = processor()
+    docs = ChatDocuments(read_conversations([path]), proc, cfg, eod=0)
+    base = os.path.dirname(path)
+    kinds = set()
+    for d, raw in enumerate(_raw(path)):
+        msgs = raw["messages"]
+        images, videos, metas = [], [], []
+        for m in msgs:
+            for it in (m["content"] if isinstance(m["content"], list) else []):
+                if it["type"] == "image":
+                    images.append(Image.open(os.path.join(base, it["image"])))
+                elif it["type"] == "video":
+                    v, meta = _decode_all(os.path.join(base, it["video"]))
+                    videos.append(v)
+                    metas.append(meta)
+        text = proc.apply_chat_template(msgs, tokenize=False)
+        ref = proc(text=text, images=images or None, videos=videos or None, video_metadata=metas or None,
+                   do_sample_frames=True, return_tensors="pt")
+        ids = ref["input_ids"][0]
+        ours = torch.from_numpy(docs.tokens[d])
+        assert int(ours[-1]) == 0 and torch.equal(ours[:-1], ids), d  # + the appended end-of-document token
+        row = PackedChatDataset(docs, np.array([d]), 1, len(ours), 1, 0)[0]
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+            assert (key in row) == (key in ref), key
+            if key in ref:
+                assert torch.equal(row[key], ref[key].to(row[key].dtype)), (d, key)
+                kinds.add(key)
+        assert torch.equal(row["tokens"], ours)
+        if not videos:  # the mask: transformers' assistant_masks of the {% generation %}-tagged template
+            hf = proc.apply_chat_template(msgs if not images else _with_pil(msgs, base), chat_template=TAGGED,
+                                          tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                          return_tensors="pt")
+            assert torch.equal(hf["input_ids"][0], ids)
+            mask = hf["assistant_masks"][0].bool().numpy()
+            closing = np.zeros_like(mask)
+            closing[1:] = mask[:-1] & ~mask[1:]
+            want = np.append(mask | closing, mask[-1])  # the last turn closes on the appended end-of-document
+            assert np.array_equal(np.append(False, docs.targets[d][:-1]), want), d
+    assert kinds == {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}
+    tagged = ChatDocuments(read_conversations([path]), processor(TAGGED), cfg, eod=0)
+    assert all(np.array_equal(a, b) for a, b in zip(tagged.targets, docs.targets))
+    assert all(np.array_equal(a, b) for a, b in zip(tagged.tokens, docs.tokens))
+
+
+def _with_pil(msgs, base):
+    from PIL import Image
+
+    out = []
+    for m in msgs:
+        c = m["content"]
+        if isinstance(c, list):
+            c = [dict(it, image=Image.open(os.path.join(base, it["image"]))) if it["type"] == "image" else it
+                 for it in c]
+        out.append({"role": m["role"], "content": c})
+    return out
+
+
+def _targets_text(docs, d, tok):
+    ids = docs.tokens[d]
+    return tok.decode(ids[1:][docs.targets[d][:-1]])
+
+
+def test_loss_switches_and_system_prompt(chat):
+    root, path, cfg, processor = chat
+    proc = processor()
+    tok = proc.tokenizer
+    convs = read_conversations([path])
+    default = ChatDocuments(convs, proc, cfg, eod=0)
+    last = ChatDocuments(convs, proc, cfg, eod=0, loss="last")
+    every = ChatDocuments(convs, proc, cfg, eod=0, loss="all")
+    # conversation 0: image question + follow-up; 2: system prompt
+    assert _targets_text(default, 0, tok) == "the square is " + _raw(path)[0]["messages"][1]["content"][0][
+        "text"][len("the square is "):] + "<|user|>no, the image is small.<|endoftext|>"
+    assert _targets_text(last, 0, tok) == "no, the image is small.<|endoftext|>"
+    assert "answer with one short sentence." not in _targets_text(default, 2, tok)
+    assert "answer with one short sentence." in _targets_text(every, 2, tok)
+    assert "<|image|>" not in _targets_text(every, 0, tok)  # never a media token
+    assert "seconds" not in _targets_text(every, 1, tok)
+
+
+def _write(tmp_path, obj):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps(obj) + "\n")
+    return str(p)
+
+
+@pytest.mark.parametrize("obj, phrase", [
+    ({"messages": [{"role": "user", "content": "hi <|image|>"}, {"role": "assistant", "content": "x"}]},
+     "c.jsonl:1: message text holds the special token '<|image|>'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "../x.png"}]},
+                   {"role": "assistant", "content": "x"}]}, "lies outside"),
+    ({"messages": [{"role": "user", "content": [{"type": "video", "video": "nope.mp4"}]},
+                   {"role": "assistant", "content": "x"}]}, "video 'nope.mp4' not found"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "has no assistant message"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]},
+                   {"role": "assistant", "content": "x"}]}, "content item type 'audio'"),
+])
+def test_bad_conversations_are_one_line(chat, tmp_path, obj, phrase):
+    root, path, cfg, processor = chat
+    with pytest.raises(DataError) as e:
+        ChatDocuments(read_conversations([_write(tmp_path, obj)]), processor(), cfg, eod=0)
+    assert phrase in str(e.value) and "\n" not in str(e.value)
+
+
+def test_template_lookup_and_refusals(chat, tmp_path):
+    root, path, cfg, processor = chat
+    assert load_chat_template(str(root / "hf")) == GLM_CHAT_TEMPLATE
+    assert load_chat_template(str(root / "hf" / "tokenizer.json")) == GLM_CHAT_TEMPLATE
+    own = tmp_path / "t.jinja"
+    own.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_chat_template(str(root / "hf"), str(own)).startswith("{% for m")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((root / "hf" / "tokenizer.json").read_bytes())
+    with pytest.raises(DataError, match="no chat template .* give --chat-template FILE"):
+        load_chat_template(str(bare))
+    (bare / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default",
+                                                                               "template": "{{ 1 }}"}]}))
+    assert load_chat_template(str(bare)) == "{{ 1 }}"
+    # a template that renders the last turn differently: the assistant turns cannot be found
+    odd = ("{% for m in messages %}{% if loop.last %}<|user|>{{ m.content }}{% else %}<|assistant|>{{ m.content }}"
+           "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    p = _write(tmp_path, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                       {"role": "user", "content": "c"}]})
+    with pytest.raises(DataError, match="prefix-consistently .* generation"):
+        ChatDocuments(read_conversations([p]), processor(odd), cfg, eod=0)
+
+
+def test_vqa_sources_map_to_messages(chat, tiny_data):
+    root, path, cfg, processor = chat
+    proc = processor()
+    jl = read_conversations([str(tiny_data / "vqa" / "vqa.jsonl")])
+    tar = read_conversations([str(tiny_data / "vqa.tar")])
+    assert len(jl) == len(tar) == 12
+    assert jl[0].messages[0]["content"][0] == {"type": "image"} and jl[0].messages[1]["role"] == "assistant"
+    a, b = ChatDocuments(jl, proc, cfg, eod=0), ChatDocuments(tar, proc, cfg, eod=0)
+    assert all(np.array_equal(x, y) for x, y in zip(a.tokens, b.tokens))
+    assert proc.tokenizer.decode(a.tokens[0][:3]) == "[gMASK]<sop><|user|>"
+
+
+def test_tagged_template_is_tagged():
+    assert TAGGED != GLM_CHAT_TEMPLATE and "{% generation %}" in TAGGED
