@@ -1,6 +1,7 @@
 """The checkpoint's own chat template and transformers' ``Glm5NextProcessor`` built around it.
 
-Template (:func:`load_chat_template`): ``--chat-template FILE`` (a Jinja file) if given; else, in the folder of
+Template (:func:`load_chat_template`): ``--chat-template`` (Megatron-LM's flag) if given: a Jinja FILE, or the
+template text itself (a value holding ``{``); else, in the folder of
 ``--tokenizer-model``, ``chat_template.jinja``, then the ``chat_template`` of ``chat_template.json`` (what
 ``ProcessorMixin.save_pretrained`` writes), then the ``chat_template`` of ``tokenizer_config.json`` (a string, or a
 list of ``{"name", "template"}`` from which ``default`` is taken). None at all is one line. transformers renders
@@ -70,6 +71,8 @@ def _template_of(obj: dict, path: str) -> Optional[str]:
 def load_chat_template(tokenizer_model: str, chat_template: Optional[str] = None) -> str:
     """The Jinja chat template of the run (see the module docstring for where it is looked for)."""
     if chat_template:
+        if "{" in chat_template and not os.path.isfile(chat_template):  # Megatron-LM's form: the template text
+            return chat_template
         text = _read_text(chat_template, "--chat-template")
         if not text.strip():
             raise DataError(f"--chat-template {chat_template}: the file is empty")
@@ -155,5 +158,3 @@ def build_processor(tokenizer_model: str, chat_template: str, image_processor, v
                                  video_processor=video_processor, chat_template=chat_template)
     except Exception as e:  # noqa: BLE001
         raise DataError(f"--tokenizer-model {tokenizer_model}: cannot build the processor ({one_line(e)})") from None
-
-
