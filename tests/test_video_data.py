@@ -5,7 +5,6 @@ document becomes padding, counted)."""
 
 import hashlib
 import json
-import os
 
 import numpy as np
 import pytest
@@ -80,8 +79,8 @@ def test_bad_videos_are_one_line(env, tmp_path, monkeypatch, case, phrase):
     d.mkdir()
     rel = {"missing": "nope.mp4", "corrupt": "bad.mp4", "empty": "bad.mp4", "zero": "zero.mp4",
            "outside": "../x.mp4", "bomb": "ok.mp4"}[case]
-    if case == "corrupt":
-        (d / "bad.mp4").write_bytes(os.urandom(4096))
+    if case == "corrupt":  # bytes no demuxer takes
+        (d / "bad.mp4").write_bytes(np.random.default_rng(0).bytes(4096))
     elif case == "empty":
         (d / "bad.mp4").write_bytes(b"")
     elif case == "zero":
@@ -115,7 +114,8 @@ def test_too_long_skipped_and_damaged_mid_run_skipped(env, tmp_path, capsys):
     assert ds.num_skipped == 1 and "1 longer than seq_length skipped" in ds.summary()
     ds = PackedChatDataset(docs, np.arange(2), 1, int(docs.lengths.sum()), 1, 0)
     assert "pixel_values_videos" in ds[0]
-    (d / "v.webm").write_bytes(b"\x1aE\xdf\xa3" + os.urandom(2000))  # damaged after the documents were built
+    # damaged after the documents were built
+    (d / "v.webm").write_bytes(b"\x1aE\xdf\xa3" + np.random.default_rng(1).bytes(2000))
     row = ds[0]
     assert "pixel_values_videos" not in row and int(row["skipped_documents"][0]) == 1
     assert int(row["loss_mask"].sum()) == int(docs.targets[1].sum())
@@ -126,7 +126,7 @@ def test_pretrain_refuses_a_corrupt_video_in_one_line(env, tmp_path):
     root, cfg, proc, data, video = env
     d = tmp_path / "d"
     d.mkdir()
-    (d / "bad.mp4").write_bytes(os.urandom(3000))
+    (d / "bad.mp4").write_bytes(np.random.default_rng(0).bytes(4096))
     path = _conv(d, "bad.mp4")
     before = hashlib.sha256((d / "bad.mp4").read_bytes()).hexdigest()
     proc_ = run(TINY + ["--train-iters", "3", "--dataset-type", "chat", "--tokenizer-model", str(root / "hf"),

@@ -236,6 +236,19 @@ class VideoPlan:
 
 
 # ------------------------------------------------------------------------------------------------ documents
+@dataclass
+class ChatDocument:
+    """One planned document: ``tokens`` int64 [L], ``targets`` bool [L] (loss mask: label ``tokens[j+1]`` is a
+    target), ``images`` [(ImageRef, grid)] and ``videos`` [VideoPlan] in placeholder order, ``modality_tokens``
+    int64 [3] (text, image, video tokens)."""
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    images: list
+    videos: List[VideoPlan]
+    modality_tokens: np.ndarray
+
+
 class ChatDocuments:
     """The tokenized documents of a list of conversations (see the module docstring).
 
@@ -275,7 +288,12 @@ class ChatDocuments:
         self.videos: List[List[VideoPlan]] = []
         self.modality_tokens: List[np.ndarray] = []
         for c in conversations:
-            self._add(c)
+            d = self.plan(c)
+            self.tokens.append(d.tokens)
+            self.targets.append(d.targets)
+            self.images.append(d.images)
+            self.videos.append(d.videos)
+            self.modality_tokens.append(d.modality_tokens)
         self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -325,7 +343,11 @@ class ChatDocuments:
                     raise DataError(f"{where}: message text holds the special token {hit.group(0)!r} (it would be "
                                     f"read as that control token, not text)")
 
-    def _add(self, c: Conversation) -> None:
+    def document(self, d: int) -> ChatDocument:
+        return ChatDocument(self.tokens[d], self.targets[d], self.images[d], self.videos[d], self.modality_tokens[d])
+
+    def plan(self, c: Conversation) -> ChatDocument:
+        """The document of ``c``: token ids, loss mask and media plans (image / video headers read, no pixels)."""
         proc, where = self.processor, c.where
         self._check_text(c.messages, where)
         images, videos = [], []
@@ -390,12 +412,8 @@ class ChatDocuments:
                             f"image tokens, the media plan {n_img + n_vid}")
         tgt = np.zeros(len(toks), dtype=bool)
         tgt[:-1] = is_target[1:]
-        self.tokens.append(toks)
-        self.targets.append(tgt)
-        self.images.append(images)
-        self.videos.append(videos)
         n_media = int(in_media.sum())
-        self.modality_tokens.append(np.array([len(toks) - n_media, n_img, n_vid], dtype=np.int64))
+        return ChatDocument(toks, tgt, images, videos, np.array([len(toks) - n_media, n_img, n_vid], dtype=np.int64))
 
 
 # ------------------------------------------------------------------------------------------------ dataset
@@ -416,47 +434,55 @@ class PackedChatDataset(PackedVQADataset):
                 + f"; tokens text {int(counts[0])}, image {int(counts[1])}, video {int(counts[2])}")
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
-        from megatron_glm5.data.pack import assemble_row
-
         docs: ChatDocuments = self.documents
-        row = self.rows[idx]
-        images: Dict[int, list] = {}
-        videos: Dict[int, list] = {}
-        skipped = set()
-        for d in row:
-            try:
-                images[d] = [ref.load() for ref, _ in docs.images[d]]
-                videos[d] = [v.ref.decode(v.metadata.frames_indices, v.metadata.width, v.metadata.height)
-                             for v in docs.videos[d]]
-            except DataError as e:  # damaged media found mid-run: the document becomes padding, counted
-                print(f"notice: {one_line(e)}: document skipped", flush=True)
-                skipped.add(d)
-        tokens = [np.full(len(docs.tokens[d]), self.pad_id, np.int64) if d in skipped else docs.tokens[d]
-                  for d in row]
-        targets = [np.zeros(len(docs.tokens[d]), bool) if d in skipped else docs.targets[d] for d in row]
-        out = assemble_row(tokens, targets, self.seq_length, self.pad_id)
-        kept = [d for d in row if d not in skipped]
-        pil = [im for d in kept for im in images[d]]
-        if pil:
-            feats = docs.image_processor(images=pil, return_tensors="pt")
-            want = torch.tensor([g for d in kept for _, g in docs.images[d]], dtype=torch.int64)
-            grid = feats["image_grid_thw"].to(torch.int64)
-            if not torch.equal(grid, want):
-                raise DataError(f"the image processor made grids {grid.tolist()}, the plan {want.tolist()}")
-            out["pixel_values"] = feats["pixel_values"].to(torch.float32)
-            out["image_grid_thw"] = grid
-        frames = [v for d in kept for v in videos[d]]
-        if frames:
-            metas = [v.metadata for d in kept for v in docs.videos[d]]
-            feats = docs.video_processor(videos=frames, video_metadata=metas, do_sample_frames=False,
-                                         return_tensors="pt")
-            want = torch.tensor([v.grid for d in kept for v in docs.videos[d]], dtype=torch.int64)
-            grid = feats["video_grid_thw"].to(torch.int64)
-            if not torch.equal(grid, want):
-                raise DataError(f"the video processor made grids {grid.tolist()}, the plan {want.tolist()}")
-            out["pixel_values_videos"] = feats["pixel_values_videos"].to(torch.float32)
-            out["video_grid_thw"] = grid
-        out["skipped_documents"] = torch.tensor([len(skipped)], dtype=torch.int64)
-        counts = sum((docs.modality_tokens[d] for d in kept), np.zeros(3, np.int64))
-        out["modality_tokens"] = torch.from_numpy(counts.astype(np.int64))
-        return out
+        return packed_row([docs.document(d) for d in self.rows[idx]], self.seq_length, self.pad_id,
+                          docs.image_processor, docs.video_processor)
+
+
+def packed_row(documents: Sequence[ChatDocument], seq_length: int, pad_id: int, image_processor, video_processor,
+               skipped_before: int = 0) -> Dict[str, torch.Tensor]:
+    """One packed row of ``documents`` (see :class:`PackedChatDataset` for the keys): their media decoded and
+    processed by the image / video processors, grids checked against the plans. A document whose media cannot be
+    decoded becomes padding (loss 0) with a notice line; ``skipped_documents`` counts them plus ``skipped_before``
+    (documents a streamed source dropped before this row)."""
+    from megatron_glm5.data.pack import assemble_row
+
+    images: Dict[int, list] = {}
+    videos: Dict[int, list] = {}
+    skipped = set()
+    for k, doc in enumerate(documents):
+        try:
+            images[k] = [ref.load() for ref, _ in doc.images]
+            videos[k] = [v.ref.decode(v.metadata.frames_indices, v.metadata.width, v.metadata.height)
+                         for v in doc.videos]
+        except DataError as e:  # damaged media found mid-run: the document becomes padding, counted
+            print(f"notice: {one_line(e)}: document skipped", flush=True)
+            skipped.add(k)
+    tokens = [np.full(len(doc.tokens), pad_id, np.int64) if k in skipped else doc.tokens
+              for k, doc in enumerate(documents)]
+    targets = [np.zeros(len(doc.tokens), bool) if k in skipped else doc.targets for k, doc in enumerate(documents)]
+    out = assemble_row(tokens, targets, seq_length, pad_id)
+    kept = [k for k in range(len(documents)) if k not in skipped]
+    pil = [im for k in kept for im in images[k]]
+    if pil:
+        feats = image_processor(images=pil, return_tensors="pt")
+        want = torch.tensor([g for k in kept for _, g in documents[k].images], dtype=torch.int64)
+        grid = feats["image_grid_thw"].to(torch.int64)
+        if not torch.equal(grid, want):
+            raise DataError(f"the image processor made grids {grid.tolist()}, the plan {want.tolist()}")
+        out["pixel_values"] = feats["pixel_values"].to(torch.float32)
+        out["image_grid_thw"] = grid
+    frames = [v for k in kept for v in videos[k]]
+    if frames:
+        metas = [v.metadata for k in kept for v in documents[k].videos]
+        feats = video_processor(videos=frames, video_metadata=metas, do_sample_frames=False, return_tensors="pt")
+        want = torch.tensor([v.grid for k in kept for v in documents[k].videos], dtype=torch.int64)
+        grid = feats["video_grid_thw"].to(torch.int64)
+        if not torch.equal(grid, want):
+            raise DataError(f"the video processor made grids {grid.tolist()}, the plan {want.tolist()}")
+        out["pixel_values_videos"] = feats["pixel_values_videos"].to(torch.float32)
+        out["video_grid_thw"] = grid
+    out["skipped_documents"] = torch.tensor([len(skipped) + int(skipped_before)], dtype=torch.int64)
+    counts = sum((documents[k].modality_tokens for k in kept), np.zeros(3, np.int64))
+    out["modality_tokens"] = torch.from_numpy(counts.astype(np.int64))
+    return out

@@ -159,12 +159,12 @@ def make_vqa_jsonl(out_dir: str, n: int, seed: int = 0) -> str:
     return path
 
 
-def make_vqa_webdataset(path: str, n: int, seed: int = 0) -> str:
-    """A WebDataset tar of ``n`` samples ``NNNN.png`` + ``NNNN.json`` ({question, answer})."""
+def make_vqa_webdataset(path: str, n: int, seed: int = 0, key_prefix: str = "sample") -> str:
+    """A WebDataset tar of ``n`` samples ``{key_prefix}NNNN.png`` + ``{key_prefix}NNNN.json`` ({question, answer})."""
     with tarfile.open(path, "w") as tf:
         for i, (img, q, a) in enumerate(vqa_samples(n, seed)):
-            for name, data in ((f"sample{i:04d}.png", _png(img)),
-                               (f"sample{i:04d}.json", json.dumps({"question": q, "answer": a}).encode())):
+            for name, data in ((f"{key_prefix}{i:04d}.png", _png(img)),
+                               (f"{key_prefix}{i:04d}.json", json.dumps({"question": q, "answer": a}).encode())):
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tf.addfile(info, io.BytesIO(data))

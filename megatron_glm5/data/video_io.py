@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -37,22 +37,27 @@ MAX_DECODED_PIXELS = 1024 ** 3
 
 @dataclass(frozen=True)
 class VideoRef:
-    """Where a video's encoded bytes live: a whole file, or ``size`` bytes at ``offset`` inside a tar."""
+    """Where a video's encoded bytes live: a whole file, ``size`` bytes at ``offset`` inside a tar, or ``data``
+    already in memory (a sample streamed by Megatron-Energon)."""
 
     path: str
     name: str
     offset: int = 0
     size: int = -1
+    data: Optional[bytes] = None
 
     def _open(self):
         import av
 
-        size = self.size if self.size >= 0 else os.path.getsize(self.path)
+        size = len(self.data) if self.data is not None else self.size if self.size >= 0 else os.path.getsize(
+            self.path)
         if size > MAX_VIDEO_BYTES:
             raise DataError(f"{self.name}: video file of {size} bytes, more than {MAX_VIDEO_BYTES}")
         if size == 0:
             raise DataError(f"{self.name}: unreadable video (an empty file)")
-        if self.size >= 0:
+        if self.data is not None:
+            src = io.BytesIO(self.data)
+        elif self.size >= 0:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
                 src = io.BytesIO(f.read(self.size))

@@ -67,14 +67,18 @@ def placeholder_ids(model_config) -> set:
 # ------------------------------------------------------------------------------------------------ records
 @dataclass(frozen=True)
 class ImageRef:
-    """Where an image's encoded bytes live: a whole file, or ``size`` bytes at ``offset`` inside a tar."""
+    """Where an image's encoded bytes live: a whole file, ``size`` bytes at ``offset`` inside a tar, or ``data``
+    already in memory (a sample streamed by Megatron-Energon)."""
 
     path: str
     name: str
     offset: int = 0
     size: int = -1
+    data: Optional[bytes] = None
 
     def read(self) -> bytes:
+        if self.data is not None:
+            return self.data
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             return f.read(self.size)
@@ -82,7 +86,8 @@ class ImageRef:
     def _open(self):
         from PIL import Image, UnidentifiedImageError
 
-        size = self.size if self.size >= 0 else os.path.getsize(self.path)
+        size = len(self.data) if self.data is not None else self.size if self.size >= 0 else os.path.getsize(
+            self.path)
         if size > MAX_IMAGE_BYTES:
             raise DataError(f"{self.name}: image file of {size} bytes, more than {MAX_IMAGE_BYTES}")
         if size == 0:
