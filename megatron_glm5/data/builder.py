@@ -198,6 +198,8 @@ def _build_chat(args, model_config, tokenizer, sizes):
     from megatron_glm5.data.conversations import ChatDocuments, PackedChatDataset, read_conversations
     from megatron_glm5.data.vqa import build_image_processor
 
+    from megatron_glm5.data.energon import energon_source
+
     if model_config.vision is None:
         raise DataError("--dataset-type chat: the model config has no vision_config")
     for p in args.data_path:
@@ -208,7 +210,8 @@ def _build_chat(args, model_config, tokenizer, sizes):
         if not os.path.exists(p):
             raise DataError(f"--data-path: weights are not supported with --dataset-type chat (got {p!r}); blend "
                             f"with an Energon metadataset")
-    matrix = _split_matrix(args.split)
+    energon = energon_source(list(args.data_path))
+    matrix = _split_matrix(args.split) if energon is None else None
     hf_dir = getattr(args, "hf_config", None)
     pre = {n: os.path.join(hf_dir, n) if isinstance(hf_dir, str) and os.path.isdir(hf_dir) else None
            for n in ("preprocessor_config.json", "video_preprocessor_config.json")}
@@ -220,6 +223,9 @@ def _build_chat(args, model_config, tokenizer, sizes):
     processor = build_processor(args.tokenizer_model, template, image_processor, video_processor)
     loss = ("all" if getattr(args, "loss_on_all_turns", False) else
             "last" if getattr(args, "loss_on_last_turn_only", False) else "assistant")
+    if energon is not None:
+        return _build_energon(args, energon, ChatDocuments([], processor, model_config, tokenizer.eod, loss=loss),
+                              tokenizer, sizes)
     docs = ChatDocuments(read_conversations(args.data_path), processor, model_config, tokenizer.eod, loss=loss)
     out: List[Optional[PackedChatDataset]] = []
     for i, (name, bookend) in enumerate(zip(_SPLIT_NAMES, matrix)):
@@ -237,6 +243,27 @@ def _build_chat(args, model_config, tokenizer, sizes):
         _print_rank0(f"> {ds.summary()}")
         out.append(ds)
     return tuple(out)
+
+
+def _build_energon(args, path, planner, tokenizer, sizes):
+    """(train iterator, None, None) over the Energon source ``path`` (its own splits: the ``train`` part)."""
+    from megatron.core import parallel_state
+
+    from megatron_glm5.data.energon import build_energon_loader
+
+    if sizes[1] or sizes[2]:
+        raise DataError(f"--data-path {path}: validation and test from an Energon source are not read by this "
+                        f"trainer: give --eval-iters 0")
+    initialized = parallel_state.model_parallel_is_initialized()
+    dp_rank = parallel_state.get_data_parallel_rank() if initialized else 0
+    dp_size = parallel_state.get_data_parallel_world_size() if initialized else 1
+    loader = build_energon_loader(path, planner, args.seq_length, tokenizer.pad, args.micro_batch_size, dp_rank,
+                                  dp_size, int(getattr(args, "num_workers", 0) or 0), int(args.seed),
+                                  int(getattr(args, "energon_packing_buffer", 64)),
+                                  int(getattr(args, "energon_shuffle_buffer", 0) or 0))
+    _print_rank0(f"> Energon chat source {path}: packed rows of {args.seq_length} tokens streamed per data-parallel "
+                 f"rank (loader state saved with each checkpoint)")
+    return loader, None, None
 
 
 def build_train_valid_test_datasets(args, model_config, tokenizer, sizes=None):

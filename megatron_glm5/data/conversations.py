@@ -90,7 +90,32 @@ def _media_path(base: str, root: str, rel, where: str, what: str) -> str:
     return full
 
 
-def _item(item, base: str, root: str, where: str, media: list):
+def _file_resolver(base: str):
+    """Media paths relative to ``base`` (the JSONL's directory), kept inside it."""
+    root = os.path.realpath(base)
+
+    def resolve(rel, kind: str, where: str):
+        full = _media_path(base, root, rel, where, kind)
+        cls = ImageRef if kind == "image" else VideoRef
+        return cls(full, name=f"{where}: {kind} {rel}")
+
+    return resolve
+
+
+def _parts_resolver(parts: dict):
+    """Media named by the part (member suffix) of the same sample, e.g. ``0.png`` for ``KEY.0.png``."""
+
+    def resolve(rel, kind: str, where: str):
+        data = parts.get(rel) if isinstance(rel, str) else None
+        if not isinstance(data, (bytes, bytearray)):
+            raise DataError(f"{where}: the sample has no part {rel!r} for its {kind}")
+        cls = ImageRef if kind == "image" else VideoRef
+        return cls("", name=f"{where}: {kind} {rel}", data=bytes(data))
+
+    return resolve
+
+
+def _item(item, resolve, where: str, media: list):
     """One content item, reduced for the template; a media item's reference is appended to ``media``."""
     if not isinstance(item, dict):
         raise DataError(f"{where}: a content item must be an object, got {type(item).__name__}")
@@ -99,26 +124,19 @@ def _item(item, base: str, root: str, where: str, media: list):
         return {"type": "text", "text": text_field(item, "text", where)}
     if kind == "image_url":  # OpenAI
         url = item.get("image_url")
-        rel = url.get("url") if isinstance(url, dict) else url
-        media.append(ImageRef(_media_path(base, root, rel, where, "image"), name=f"{where}: image {rel}"))
+        media.append(resolve(url.get("url") if isinstance(url, dict) else url, "image", where))
         return {"type": "image"}
     if kind in ("image", "video"):
         keys = _IMAGE_KEYS if kind == "image" else _VIDEO_KEYS
         found = [k for k in keys if k in item]
         if len(found) != 1:
             raise DataError(f"{where}: a {kind} item needs exactly one of {', '.join(repr(k) for k in keys)}")
-        rel = item[found[0]]
-        full = _media_path(base, root, rel, where, kind)
-        ref = ImageRef(full, name=f"{where}: image {rel}") if kind == "image" else VideoRef(
-            full, name=f"{where}: video {rel}")
-        media.append(ref)
+        media.append(resolve(item[found[0]], kind, where))
         return {"type": kind}
     raise DataError(f"{where}: content item type {kind!r} is not one of text, image, image_url, video")
 
 
-def conversation_from_json(obj, base: str, where: str) -> Conversation:
-    """A :class:`Conversation` of a ``{"messages": [...]}`` object; media paths relative to ``base``."""
-    root = os.path.realpath(base)
+def _conversation(obj, resolve, where: str) -> Conversation:
     msgs = obj.get("messages") if isinstance(obj, dict) else None
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: 'messages' must be a non-empty list")
@@ -132,13 +150,24 @@ def conversation_from_json(obj, base: str, where: str) -> Conversation:
         if isinstance(content, str):
             content = text_field(m, "content", where)
         elif isinstance(content, list):
-            content = [_item(it, base, root, where, media) for it in content]
+            content = [_item(it, resolve, where, media) for it in content]
         else:
             raise DataError(f"{where}: a message's 'content' must be a string or a list of items")
         out.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: the conversation has no assistant message (nothing to train on)")
     return Conversation(out, tuple(media), where)
+
+
+def conversation_from_json(obj, base: str, where: str) -> Conversation:
+    """A :class:`Conversation` of a ``{"messages": [...]}`` object; media paths relative to ``base``."""
+    return _conversation(obj, _file_resolver(base), where)
+
+
+def conversation_from_parts(obj, parts: dict, where: str) -> Conversation:
+    """A :class:`Conversation` of a ``{"messages": [...]}`` object whose media items name ``parts`` (bytes by part
+    name, the other members of an Energon / WebDataset sample)."""
+    return _conversation(obj, _parts_resolver(parts), where)
 
 
 def _from_vqa(r) -> Conversation:

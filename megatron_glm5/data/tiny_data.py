@@ -213,39 +213,91 @@ def write_video(path: str, video: np.ndarray, fps: int = 4) -> str:
     return path
 
 
-def make_chat_jsonl(out_dir: str, n: int, seed: int = 0) -> str:
-    """``out_dir/chat.jsonl``: ``n`` conversations in the HF / OpenAI messages form, cycling through an image
-    question with a follow-up turn, a video question (``videos/NNNN.mp4`` or ``.webm``), an image question with a
-    system prompt, and a text-only exchange; images under ``out_dir/images/``. Paths are relative to the JSONL."""
-    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
-    os.makedirs(os.path.join(out_dir, "videos"), exist_ok=True)
+def _encoded_video(video: np.ndarray, ext: str) -> bytes:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = write_video(os.path.join(d, "v." + ext), video)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def chat_records(n: int, seed: int = 0) -> List[Tuple[list, dict]]:
+    """``n`` conversations (messages in the HF / OpenAI form, media items naming a file) and their media (encoded
+    bytes by name), cycling through an image question with a follow-up turn, a video question (mp4 or webm), an
+    image question with a system prompt, and a text-only exchange."""
     images = vqa_samples(n, seed)
     videos = video_samples(n, seed)
     texts = tiny_texts(n, seed)
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind in (0, 2):
+            img, q, a = images[i]
+            name = f"{i:04d}.png"
+            media = {name: _png(img)}
+            messages = [{"role": "user", "content": [{"type": "image", "image": name}, {"type": "text", "text": q}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": a}]}]
+            if kind == 0:
+                messages += [{"role": "user", "content": "is the image large?"},
+                             {"role": "assistant", "content": "no, the image is small."}]
+            else:
+                messages.insert(0, {"role": "system", "content": "answer with one short sentence."})
+        elif kind == 1:
+            video, q, a = videos[i]
+            ext = "mp4" if i % 8 == 1 else "webm"
+            name = f"{i:04d}.{ext}"
+            media = {name: _encoded_video(video, ext)}
+            messages = [{"role": "user", "content": [{"type": "video", "video": name}, {"type": "text", "text": q}]},
+                        {"role": "assistant", "content": a}]
+        else:
+            media = {}
+            messages = [{"role": "user", "content": "say something about a scan."},
+                        {"role": "assistant", "content": texts[i]}]
+        out.append((messages, media))
+    return out
+
+
+def _renamed(messages: list, names: dict) -> list:
+    out = []
+    for m in messages:
+        c = m["content"]
+        if isinstance(c, list):
+            c = [dict(it, **{it["type"]: names[it[it["type"]]]}) if it["type"] in ("image", "video") else it
+                 for it in c]
+        out.append(dict(m, content=c))
+    return out
+
+
+def make_chat_jsonl(out_dir: str, n: int, seed: int = 0) -> str:
+    """``out_dir/chat.jsonl``: the ``n`` conversations of :func:`chat_records`, images under ``out_dir/images/``,
+    videos under ``out_dir/videos/`` (paths relative to the JSONL)."""
+    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "videos"), exist_ok=True)
     path = os.path.join(out_dir, "chat.jsonl")
     with open(path, "w", encoding="utf-8") as f:
-        for i in range(n):
-            kind = i % 4
-            if kind in (0, 2):
-                img, q, a = images[i]
-                rel = f"images/{i:04d}.png"
-                with open(os.path.join(out_dir, rel), "wb") as g:
-                    g.write(_png(img))
-                messages = [{"role": "user", "content": [{"type": "image", "image": rel}, {"type": "text", "text": q}]},
-                            {"role": "assistant", "content": [{"type": "text", "text": a}]}]
-                if kind == 0:
-                    messages += [{"role": "user", "content": "is the image large?"},
-                                 {"role": "assistant", "content": "no, the image is small."}]
-                else:
-                    messages.insert(0, {"role": "system", "content": "answer with one short sentence."})
-            elif kind == 1:
-                video, q, a = videos[i]
-                rel = f"videos/{i:04d}.{'mp4' if i % 8 == 1 else 'webm'}"
-                write_video(os.path.join(out_dir, rel), video)
-                messages = [{"role": "user", "content": [{"type": "video", "video": rel}, {"type": "text", "text": q}]},
-                            {"role": "assistant", "content": a}]
-            else:
-                messages = [{"role": "user", "content": "say something about a scan."},
-                            {"role": "assistant", "content": texts[i]}]
-            f.write(json.dumps({"messages": messages}) + "\n")
+        for messages, media in chat_records(n, seed):
+            names = {}
+            for name, data in media.items():
+                names[name] = ("images/" if name.endswith(".png") else "videos/") + name
+                with open(os.path.join(out_dir, names[name]), "wb") as g:
+                    g.write(data)
+            f.write(json.dumps({"messages": _renamed(messages, names)}) + "\n")
+    return path
+
+
+def make_chat_webdataset(path: str, n: int, seed: int = 0, key_prefix: str = "chat") -> str:
+    """A WebDataset tar of the ``n`` conversations of :func:`chat_records`: per sample ``KEY.json``
+    (``{"messages": ...}``, media items naming a part, e.g. ``"0.png"``) and ``KEY.0.png`` / ``KEY.0.mp4`` ...
+    (the layout an Energon ``CrudeWebdataset`` of multi-turn conversations holds)."""
+    with tarfile.open(path, "w") as tf:
+        for i, (messages, media) in enumerate(chat_records(n, seed)):
+            key = f"{key_prefix}{i:04d}"
+            names = {name: f"{k}.{name.rsplit('.', 1)[-1]}" for k, name in enumerate(media)}
+            members = [(f"{key}.json", json.dumps({"messages": _renamed(messages, names)}).encode())]
+            members += [(f"{key}.{names[name]}", data) for name, data in media.items()]
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
     return path

@@ -129,7 +129,7 @@ _BOUNDS = {
         "dist_ckpt_workers", "num_dataset_builder_threads", "tensorboard_queue_size", "make_vocab_size_divisible_by",
         "distributed_timeout_minutes", "num_distributed_optimizer_instances", "ddp_num_buckets", "ddp_bucket_size",
         "vocab_size", "padded_vocab_size", "hysteresis", "fp8_interval", "fp8_amax_history_len",
-        "max_consecutive_skipped_iterations"), _POSITIVE),
+        "max_consecutive_skipped_iterations", "energon_packing_buffer"), _POSITIVE),
     "seed": Bound(1, 2**31 - 1),  # > 0 (Megatron-LM), + 100 x PP rank + 10 x DP rank within numpy's 2**32
     **dict.fromkeys((
         "lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "start_weight_decay", "end_weight_decay",
@@ -228,6 +228,10 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "a fixed simple format; chat: packed conversations (messages JSONL with images / videos, the "
                         "vqa sources too, or a prepared Energon dataset) rendered by the checkpoint's chat template "
                         "(or Megatron-LM's --chat-template: a Jinja FILE, or the template text)")
+    g.add_argument("--energon-packing-buffer", type=int, default=64,
+                   help="--dataset-type chat with an Energon source: documents first-fit packed together into rows")
+    g.add_argument("--energon-shuffle-buffer", type=int, default=0,
+                   help="--dataset-type chat with an Energon source: Energon's sample shuffle buffer (0: off)")
     turns = g.add_mutually_exclusive_group()
     turns.add_argument("--loss-on-all-turns", action="store_true",
                        help="--dataset-type chat: train on every token of the conversation (system and user turns "
@@ -424,7 +428,7 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
     _require(not (args.mock_data and args.dataset_type != "gpt"), "--mock-data",
              f"mock data is text: leave out --dataset-type {args.dataset_type}")
     if args.dataset_type != "chat":
-        for flag in ("chat_template", "loss_on_all_turns", "loss_on_last_turn_only"):
+        for flag in ("chat_template", "loss_on_all_turns", "loss_on_last_turn_only"):  # read by chat only
             _require(not getattr(args, flag), "--" + flag.replace("_", "-"), "only --dataset-type chat reads it")
     if args.chat_template and "{" not in args.chat_template:  # Megatron-LM's flag: the Jinja text, or here a FILE
         _require(os.path.isfile(args.chat_template), "--chat-template",
