@@ -238,3 +238,25 @@ def test_memorise_conversations_through_pretrain(chat, tmp_path, with_videos):
     s = scalars(tb)
     assert s["data/image-tokens"][-1][1] > 0 and (s["data/video-tokens"][-1][1] > 0) == with_videos
     assert "packed chat train:" in proc.stdout and "tokens text" in proc.stdout
+
+
+@pytest.mark.parametrize("extra, phrase", [
+    (["--dataset-type", "vqa", "--loss-on-all-turns"], "--loss-on-all-turns: only --dataset-type chat reads it"),
+    (["--dataset-type", "chat", "--loss-on-all-turns", "--loss-on-last-turn-only"], "not allowed with argument"),
+    (["--dataset-type", "chat", "--chat-template", "/nonexistent/t.jinja"],
+     "--chat-template: /nonexistent/t.jinja is neither a file nor a Jinja template"),
+    (["--dataset-type", "chat", "--energon-packing-buffer", "0"], "--energon-packing-buffer"),
+    (["--dataset-type", "chat", "--mock-data"], "leave out --dataset-type chat"),
+])
+def test_chat_flags_refused_in_one_line(chat, capsys, extra, phrase):
+    from megatron_glm5.training.arguments import parse_args
+
+    root, path, cfg, processor = chat
+    data = [] if "--mock-data" in extra else ["--data-path", path]
+    argv = ["--model-preset", "glm5-tiny", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "2",
+            "--lr", "1e-3", "--eval-iters", "0", "--tokenizer-model", str(root / "hf")] + data + extra
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=1, prog="pretrain_glm5_vlm.py")
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("pretrain_glm5_vlm.py: error: "), err
+    assert phrase in err[0], err[0]

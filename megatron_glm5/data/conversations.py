@@ -418,9 +418,10 @@ class ChatDocuments:
             is_target = np.append(is_target, False)
         toks = np.asarray(ids, dtype=np.int64)
         in_media = np.zeros(len(toks), dtype=bool)
+        starts, stops = np.asarray(offs, dtype=np.int64).reshape(-1, 2).T
         for r in (offsets[0] if offsets else []):
             a, b = r["new_span"]
-            in_media |= np.array([s >= a and e <= b and e > s for s, e in offs])
+            in_media |= (starts >= a) & (stops <= b) & (stops > starts)
         in_media |= np.isin(toks, list(self.media_ids))
         if self.loss == "all":
             is_target = np.ones(len(toks), dtype=bool)

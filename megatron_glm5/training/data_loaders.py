@@ -54,15 +54,20 @@ def _save_state_with_checkpoints(loader, args, dp_rank: int) -> None:
     from megatron_glm5.data.energon import state_path
 
     upstream = training.save_checkpoint
+    if getattr(upstream, "glm5_energon_loader", None) is not None:  # already wrapped: write this loader's state
+        upstream.glm5_energon_loader[0] = loader
+        return
+    current = [loader]
 
     def save_checkpoint(iteration, *a, **kw):
         if not kw.get("non_persistent_ckpt") and parallel_state.get_tensor_model_parallel_rank() == 0 \
                 and parallel_state.is_pipeline_first_stage(ignore_virtual=True):
             path = state_path(args.save, iteration, dp_rank)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save({"dataloader_state_dict": loader.save_state()}, path + ".tmp")
+            torch.save({"dataloader_state_dict": current[0].save_state()}, path + ".tmp")
             os.replace(path + ".tmp", path)
         return upstream(iteration, *a, **kw)
 
     save_checkpoint.glm5_hook = getattr(upstream, "glm5_hook", False)
+    save_checkpoint.glm5_energon_loader = current
     training.save_checkpoint = save_checkpoint
