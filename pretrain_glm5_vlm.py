@@ -101,11 +101,11 @@ train_valid_test_datasets_provider.is_distributed = True  # every rank reads its
 
 
 DATA_COUNTS = {"placeholder_tokens_masked": 0, "documents_skipped": 0, "reported": 0, "text_tokens": 0,
-               "image_tokens": 0, "video_tokens": 0}
+               "image_tokens": 0, "video_tokens": 0, "row_tokens": 0}
 """Totals of this rank: text tokens that are image/video placeholder ids kept out of the loss, packed documents
 skipped because their image or video could not be read, the text / image / video tokens of the packed documents
-read (``--dataset-type chat``; also TensorBoard ``data/*-tokens``); ``reported``: the iteration of the last
-report."""
+read (``--dataset-type chat``; also TensorBoard ``data/*-tokens``, and ``packing-efficiency`` becomes their sum over
+``row_tokens``, the rows' capacity read so far); ``reported``: the iteration of the last report."""
 
 
 def _report_data_counts(iteration: int, log_interval: int) -> None:
@@ -146,8 +146,13 @@ def _checked_rows(batch: dict, config) -> dict:
     if modality is not None:
         from megatron.training.global_vars import get_tensorboard_writer
 
+        from megatron_glm5.training.moe_load_logging import PACKING_EFFICIENCY
+
         for key, n in zip(("text_tokens", "image_tokens", "video_tokens"), modality.reshape(-1, 3).sum(0).tolist()):
             DATA_COUNTS[key] += int(n)
+        DATA_COUNTS["row_tokens"] += int(batch["tokens"].numel())
+        PACKING_EFFICIENCY[0] = sum(DATA_COUNTS[k] for k in ("text_tokens", "image_tokens", "video_tokens")) \
+            / DATA_COUNTS["row_tokens"]
         writer = get_tensorboard_writer()
         if writer is not None and iteration % max(args.log_interval, 1) == 0:
             for key in ("text_tokens", "image_tokens", "video_tokens", "documents_skipped"):

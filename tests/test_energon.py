@@ -126,3 +126,4 @@ def test_killed_and_resumed_run_equals_a_straight_run(env, tmp_path):
     la, lc = dict(scalars(tmp_path / "tba")["lm loss"]), dict(scalars(tmp_path / "tbc")["lm loss"])
     assert sorted(lc) == [4, 5, 6] and all(la[i] == lc[i] for i in (4, 5, 6)), (la, lc)
     assert scalars(tmp_path / "tbc")["data/video-tokens"][-1][1] > 0
+    assert 0.3 < scalars(tmp_path / "tbc")["packing-efficiency"][-1][1] <= 1.0  # of the streamed rows
