@@ -127,3 +127,31 @@ def test_killed_and_resumed_run_equals_a_straight_run(env, tmp_path):
     assert sorted(lc) == [4, 5, 6] and all(la[i] == lc[i] for i in (4, 5, 6)), (la, lc)
     assert scalars(tmp_path / "tbc")["data/video-tokens"][-1][1] > 0
     assert 0.3 < scalars(tmp_path / "tbc")["packing-efficiency"][-1][1] <= 1.0  # of the streamed rows
+
+
+def test_bad_energon_samples_are_skipped_with_a_notice(env, tmp_path, capfd):
+    import io
+    import tarfile
+
+    root, cfg, proc = env
+    d = tmp_path / "bad"
+    d.mkdir()
+    make_chat_webdataset(str(d / "a.tar"), 4, key_prefix="a")
+    with tarfile.open(d / "b.tar", "w") as tf:
+        for name, data in (("b0.json", b"{not json"),
+                           ("b1.json", json.dumps({"messages": [
+                               {"role": "user", "content": [{"type": "image", "image": "0.png"}]},
+                               {"role": "assistant", "content": "x"}]}).encode()),
+                           ("b2.json", json.dumps({"messages": [{"role": "user", "content": "hi <|image|>"},
+                                                                {"role": "assistant", "content": "x"}]}).encode())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    _prepare(d, "--sample-type", "CrudeWebdataset")
+    it = _loader(env, d)
+    rows = [next(it) for _ in range(6)]
+    out = capfd.readouterr()
+    assert sum(int(r["skipped_documents"].sum()) for r in rows) >= 2
+    assert "has no part '0.png'" in out.out and "holds the special token '<|image|>'" in out.out
+    assert "notice: an Energon sample: b.tar:b0.json: bad JSON" in out.out
+    assert "Traceback" not in out.out + out.err

@@ -19,7 +19,9 @@ unpickled); each sample becomes a document through the same chat template and pr
 (:func:`~megatron_glm5.data.pack.first_fit`) within Energon's packing buffer (``--energon-packing-buffer``) into
 rows of ``--seq-length`` tokens (:func:`~megatron_glm5.data.conversations.packed_row`) and batched with
 :func:`~megatron_glm5.data.collate.collate`. A sample that is unusable (a bad record, unreadable media, longer than
-``--seq-length``) is skipped with a notice line and counted in the next row's ``skipped_documents``.
+``--seq-length``) is skipped with a notice line and counted in the next row's ``skipped_documents``; a sample
+Energon's own pipeline cannot load (a part that does not parse, a field map that does not match) is skipped with a
+notice line (:func:`_notice`), and Energon stops the run when 100 in a row fail.
 
 Resume: the iterator has ``save_state()`` (Energon's ``save_state_rank()``), written per data-parallel rank into
 each checkpoint folder, ``iter_NNNNNNN/train_dataloader_dprankRRR.pt``
@@ -61,7 +63,8 @@ def build_energon_loader(path: str, documents, seq_length: int, pad_id: int, mic
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
     encoder = energon_class("ChatTaskEncoder")(documents, seq_length, pad_id)
-    worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed)
+    worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
+                                 global_error_handler=_notice)
     try:
         ds = get_train_dataset(path, batch_size=micro_batch_size, shuffle_buffer_size=shuffle_buffer or None,
                                max_samples_per_sequence=None, packing_buffer_size=packing_buffer,
@@ -71,6 +74,15 @@ def build_energon_loader(path: str, documents, seq_length: int, pad_id: int, mic
 
         raise DataError(f"--data-path {path}: not a usable Energon dataset ({one_line(e)})") from None
     return EnergonIterator(get_savable_loader(ds, worker_config=worker_config))
+
+
+def _notice(e: Exception, sample, sources=None) -> None:
+    """Energon's error handler for a sample that fails inside its pipeline (a part that does not parse, a field
+    map that does not match): one notice line naming the sample's files, no traceback; the sample is skipped."""
+    from megatron_glm5.cli import one_line
+
+    names = ", ".join(f"{s.dataset_path}/{s.shard_name}:{'+'.join(s.file_names)}" for s in (sources or [])[:2])
+    print(f"notice: {names or 'an Energon sample'}: {one_line(e)}: sample skipped", flush=True)
 
 
 class EnergonIterator:
@@ -239,7 +251,8 @@ def _classes():
         def __call__(self, sample: dict) -> dict:
             from megatron_glm5.data.jsonl import parse_json
 
-            return {k: parse_json(v, f"{sample.get('__key__')}.{k}")
+            where = f"{sample.get('__shard__') or '?'}:{sample.get('__key__')}"
+            return {k: parse_json(v, f"{where}.{k}")
                     if isinstance(v, (bytes, bytearray)) and (k == "json" or k.endswith(".json")) else v
                     for k, v in sample.items()}
 
