@@ -41,7 +41,6 @@ line naming ``FILE:LINE``: those strings would be read as the control tokens.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import re
@@ -54,7 +53,8 @@ import torch
 from megatron_glm5.cli import one_line
 from megatron_glm5.data import DataError
 from megatron_glm5.data.jsonl import parse_json, text_field
-from megatron_glm5.data.vqa import ImageRef, PackedVQADataset, placeholder_ids, read_jsonl, read_webdataset
+from megatron_glm5.data.vqa import (ImageRef, PackedVQADataset, data_files, placeholder_ids, read_jsonl,
+                                     read_webdataset)
 from megatron_glm5.data.video_io import VideoRef
 
 LOSS_MODES = ("assistant", "last", "all")
@@ -207,19 +207,8 @@ def read_messages_jsonl(path: str) -> List[Conversation]:
 
 def read_conversations(paths: Sequence[str]) -> List[Conversation]:
     """All conversations of ``paths`` (messages JSONL, VQA JSONL, WebDataset tars, or directories of them)."""
-    files: List[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            found = sorted(glob.glob(os.path.join(p, "*.tar"))) + sorted(glob.glob(os.path.join(p, "*.jsonl")))
-            if not found:
-                raise DataError(f"--data-path: directory {p} holds no *.tar or *.jsonl")
-            files.extend(found)
-        elif os.path.isfile(p):
-            files.append(p)
-        else:
-            raise DataError(f"--data-path: {p} not found")
     out: List[Conversation] = []
-    for f in files:
+    for f in data_files(paths):
         if f.endswith(".tar"):
             out.extend(_from_vqa(r) for r in read_webdataset(f))
         elif _is_messages_jsonl(f):

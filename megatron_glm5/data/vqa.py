@@ -260,8 +260,8 @@ def read_webdataset(path: str) -> List[VQARecord]:
     return out
 
 
-def read_vqa_records(paths: Sequence[str]) -> List[VQARecord]:
-    """All records of ``paths`` (JSONL files, tars, or directories of them), in order."""
+def data_files(paths: Sequence[str]) -> List[str]:
+    """The files of ``--data-path``: each file as given, each directory's ``*.tar`` then ``*.jsonl`` (sorted)."""
     files: List[str] = []
     for p in paths:
         if os.path.isdir(p):
@@ -273,8 +273,13 @@ def read_vqa_records(paths: Sequence[str]) -> List[VQARecord]:
             files.append(p)
         else:
             raise DataError(f"--data-path: {p} not found")
+    return files
+
+
+def read_vqa_records(paths: Sequence[str]) -> List[VQARecord]:
+    """All records of ``paths`` (JSONL files, tars, or directories of them), in order."""
     records: List[VQARecord] = []
-    for f in files:
+    for f in data_files(paths):
         records.extend(read_webdataset(f) if f.endswith(".tar") else read_jsonl(f))
     if not records:
         raise DataError(f"--data-path: no records in {', '.join(paths)}")
