@@ -149,7 +149,7 @@ def _write(tmp_path, obj):
     ({"messages": [{"role": "user", "content": [{"type": "image", "image": "../x.png"}]},
                    {"role": "assistant", "content": "x"}]}, "lies outside"),
     ({"messages": [{"role": "user", "content": [{"type": "video", "video": "nope.mp4"}]},
-                   {"role": "assistant", "content": "x"}]}, "video 'nope.mp4' not found"),
+                   {"role": "assistant", "content": "x"}]}, "nope.mp4 not found"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "has no assistant message"),
     ({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]},
                    {"role": "assistant", "content": "x"}]}, "content item type 'audio'"),

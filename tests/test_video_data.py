@@ -66,7 +66,7 @@ def _zero_frame_video(path):
 
 
 @pytest.mark.parametrize("case, phrase", [
-    ("missing", "video 'nope.mp4' not found"),
+    ("missing", "nope.mp4 not found"),
     ("corrupt", "bad.mp4: unreadable video"),
     ("empty", "bad.mp4: unreadable video (an empty file)"),
     ("zero", "zero.mp4"),

@@ -53,8 +53,8 @@ import torch
 from megatron_glm5.cli import one_line
 from megatron_glm5.data import DataError
 from megatron_glm5.data.jsonl import parse_json, text_field
-from megatron_glm5.data.vqa import (ImageRef, PackedVQADataset, data_files, placeholder_ids, read_jsonl,
-                                     read_webdataset)
+from megatron_glm5.data.vqa import (ImageRef, PackedVQADataset, data_files, media_path, placeholder_ids,
+                                     read_jsonl, read_webdataset)
 from megatron_glm5.data.video_io import VideoRef
 
 LOSS_MODES = ("assistant", "last", "all")
@@ -75,27 +75,14 @@ class Conversation:
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _media_path(base: str, root: str, rel, where: str, what: str) -> str:
-    if not isinstance(rel, str) or not rel:
-        raise DataError(f"{where}: the {what} path must be a non-empty string, got {type(rel).__name__}")
-    if "\0" in rel:
-        raise DataError(f"{where}: {what} path {rel!r} holds a NUL character")
-    full = os.path.join(base, rel)
-    real = os.path.realpath(full)
-    if os.path.isabs(rel) or os.path.commonpath([real, root]) != root:
-        raise DataError(f"{where}: {what} {rel!r} lies outside {base} (media paths are relative to the JSONL's "
-                        f"directory and stay inside it)")
-    if not os.path.isfile(real):
-        raise DataError(f"{where}: {what} {rel!r} not found")
-    return full
-
-
 def _file_resolver(base: str):
     """Media paths relative to ``base`` (the JSONL's directory), kept inside it."""
     root = os.path.realpath(base)
 
     def resolve(rel, kind: str, where: str):
-        full = _media_path(base, root, rel, where, kind)
+        if not isinstance(rel, str) or not rel:
+            raise DataError(f"{where}: the {kind} path must be a non-empty string, got {type(rel).__name__}")
+        full = media_path(base, root, rel, where, kind)
         cls = ImageRef if kind == "image" else VideoRef
         return cls(full, name=f"{where}: {kind} {rel}")
 

@@ -149,6 +149,20 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
+def media_path(base: str, root: str, rel: str, where: str, what: str = "image") -> str:
+    """``base/rel`` for a media path ``rel`` of the record ``where`` in a JSONL of the directory ``base`` (``root``:
+    its real path): refused when it holds a NUL, is absolute or leaves ``base`` (symlinks resolved), or is missing."""
+    full = os.path.join(base, rel)
+    if "\0" in rel:
+        raise DataError(f"{where}: {what} path {rel!r} holds a NUL character")
+    if os.path.isabs(rel) or not _inside(os.path.realpath(full), root):
+        raise DataError(f"{where}: {what} {rel!r} lies outside {base} ({what} paths are relative to the JSONL's "
+                        f"directory and stay inside it)")
+    if not os.path.isfile(full):
+        raise DataError(f"{where}: {what} {full} not found")
+    return full
+
+
 def read_jsonl(path: str) -> List[VQARecord]:
     """Records of a VQA JSONL file. Image paths are relative to the file's directory and must stay inside it
     (symlinks resolved): an absolute path or one leaving the directory is refused."""
@@ -166,15 +180,7 @@ def read_jsonl(path: str) -> List[VQARecord]:
                 image = obj.get("image")
                 ref = None
                 if image is not None:
-                    image = text_field(obj, "image", where)
-                    full = os.path.join(base, image)
-                    if "\0" in image:
-                        raise DataError(f"{where}: image path {image!r} holds a NUL character")
-                    if os.path.isabs(image) or not _inside(os.path.realpath(full), root):
-                        raise DataError(f"{where}: image {image!r} lies outside {base} (image paths are relative "
-                                        f"to the JSONL's directory and stay inside it)")
-                    if not os.path.isfile(full):
-                        raise DataError(f"{where}: image {full} not found")
+                    full = media_path(base, root, text_field(obj, "image", where), where, "image")
                     ref = ImageRef(path=full, name=full)
                 out.append(VQARecord(q, a, ref, where))
     except UnicodeDecodeError as e:
