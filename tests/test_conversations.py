@@ -85,30 +85,34 @@ def test_ids_masks_and_pixels_equal_the_processor(chat):
                 assert torch.equal(row[key], ref[key].to(row[key].dtype)), (d, key)
                 kinds.add(key)
         assert torch.equal(row["tokens"], ours)
-        if not videos:  # the mask: transformers' assistant_masks of the {% generation %}-tagged template
-            hf = proc.apply_chat_template(msgs if not images else _with_pil(msgs, base), chat_template=TAGGED,
-                                          tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                                          return_tensors="pt")
-            assert torch.equal(hf["input_ids"][0], ids)
-            mask = hf["assistant_masks"][0].bool().numpy()
-            closing = np.zeros_like(mask)
-            closing[1:] = mask[:-1] & ~mask[1:]
-            want = np.append(mask | closing, mask[-1])  # the last turn closes on the appended end-of-document
-            assert np.array_equal(np.append(False, docs.targets[d][:-1]), want), d
+        # the mask: transformers' assistant_masks of the {% generation %}-tagged template (media decoded as above)
+        hf = proc.apply_chat_template(_with_media(msgs, base), chat_template=TAGGED, tokenize=True,
+                                      return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt",
+                                      processor_kwargs=dict(video_metadata=metas or None, do_sample_frames=True))
+        assert torch.equal(hf["input_ids"][0], ids)
+        for key in ("pixel_values_videos", "video_grid_thw"):
+            assert (key in hf) == bool(videos) and (not videos or torch.equal(hf[key], ref[key])), key
+        mask = hf["assistant_masks"][0].bool().numpy()
+        closing = np.zeros_like(mask)
+        closing[1:] = mask[:-1] & ~mask[1:]
+        want = np.append(mask | closing, mask[-1])  # the last turn closes on the appended end-of-document
+        assert np.array_equal(np.append(False, docs.targets[d][:-1]), want), d
     assert kinds == {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}
     tagged = ChatDocuments(read_conversations([path]), processor(TAGGED), cfg, eod=0)
     assert all(np.array_equal(a, b) for a, b in zip(tagged.targets, docs.targets))
     assert all(np.array_equal(a, b) for a, b in zip(tagged.tokens, docs.tokens))
 
 
-def _with_pil(msgs, base):
+def _with_media(msgs, base):
+    """``msgs`` with each image item holding the PIL image and each video item all its decoded frames."""
     from PIL import Image
 
     out = []
     for m in msgs:
         c = m["content"]
         if isinstance(c, list):
-            c = [dict(it, image=Image.open(os.path.join(base, it["image"]))) if it["type"] == "image" else it
+            c = [dict(it, image=Image.open(os.path.join(base, it["image"]))) if it["type"] == "image" else
+                 dict(it, video=_decode_all(os.path.join(base, it["video"]))[0]) if it["type"] == "video" else it
                  for it in c]
         out.append({"role": m["role"], "content": c})
     return out
