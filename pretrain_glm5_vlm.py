@@ -100,9 +100,12 @@ def _datasets(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True  # every rank reads its own micro batches
 
 
-DATA_COUNTS = {"placeholder_tokens_masked": 0, "documents_skipped": 0, "reported": 0}
+DATA_COUNTS = {"placeholder_tokens_masked": 0, "documents_skipped": 0, "reported": 0, "text_tokens": 0,
+               "image_tokens": 0, "video_tokens": 0, "row_tokens": 0}
 """Totals of this rank: text tokens that are image/video placeholder ids kept out of the loss, packed documents
-skipped because their image could not be read; ``reported``: the iteration of the last report."""
+skipped because their image or video could not be read, the text / image / video tokens of the packed documents
+read (``--dataset-type chat``; also TensorBoard ``data/*-tokens``, and ``packing-efficiency`` becomes their sum over
+``row_tokens``, the rows' capacity read so far); ``reported``: the iteration of the last report."""
 
 
 def _report_data_counts(iteration: int, log_interval: int) -> None:
@@ -115,7 +118,7 @@ def _report_data_counts(iteration: int, log_interval: int) -> None:
         parts.append(f"{DATA_COUNTS['placeholder_tokens_masked']} text token(s) that are image/video placeholder ids "
                      f"kept out of the loss")
     if DATA_COUNTS["documents_skipped"]:
-        parts.append(f"{DATA_COUNTS['documents_skipped']} document(s) with an unreadable image skipped")
+        parts.append(f"{DATA_COUNTS['documents_skipped']} document(s) with an unreadable image or video skipped")
     print(f"data: up to iteration {iteration} on this rank: {'; '.join(parts)}", flush=True)
 
 
@@ -139,6 +142,21 @@ def _checked_rows(batch: dict, config) -> dict:
     if skipped is not None and int(skipped.sum()) > 0:
         DATA_COUNTS["documents_skipped"] += int(skipped.sum())
         grew = True
+    modality = batch.pop("modality_tokens", None)
+    if modality is not None:
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        from megatron_glm5.training.moe_load_logging import PACKING_EFFICIENCY
+
+        for key, n in zip(("text_tokens", "image_tokens", "video_tokens"), modality.reshape(-1, 3).sum(0).tolist()):
+            DATA_COUNTS[key] += int(n)
+        DATA_COUNTS["row_tokens"] += int(batch["tokens"].numel())
+        PACKING_EFFICIENCY[0] = sum(DATA_COUNTS[k] for k in ("text_tokens", "image_tokens", "video_tokens")) \
+            / DATA_COUNTS["row_tokens"]
+        writer = get_tensorboard_writer()
+        if writer is not None and iteration % max(args.log_interval, 1) == 0:
+            for key in ("text_tokens", "image_tokens", "video_tokens", "documents_skipped"):
+                writer.add_scalar("data/" + key.replace("_", "-"), DATA_COUNTS[key], iteration)
     vocab = int(config.vocab_size)
     for key in ("tokens", "labels"):
         bad = (batch[key] < 0) | (batch[key] >= vocab)

@@ -19,6 +19,8 @@ setup(
         "einops",
         "psutil",
         "numpy",
+        "av==19.0.2",  # PyAV: decodes mp4 / webm videos for --dataset-type chat
+        "megatron-energon==7.4.0",  # Energon datasets as a --dataset-type chat source
     ],
     extras_require={
         "test": ["pytest", "ruff==0.17.6", "flash-linear-attention==0.6.0", "fla-core==0.6.0"],

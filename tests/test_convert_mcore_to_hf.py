@@ -373,7 +373,7 @@ def test_converter_carries_assets_and_export_loads_with_transformers(ckpts, hf_w
     images = AutoImageProcessor.from_pretrained(out, local_files_only=True)
     assert type(images).__name__.startswith("Glm5NextImageProcessor")
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True) == "<|user|>hi<|assistant|>"
+                                   add_generation_prompt=True) == "[gMASK]<sop><|user|>\nhi<|assistant|>\n"
     rng = np.random.default_rng(0)
     img = Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8))
     pix = images(images=[img], return_tensors="pt")

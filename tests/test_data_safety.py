@@ -605,7 +605,7 @@ def test_pretrain_vqa_with_an_image_cut_mid_file_trains_and_counts(data, tmp_pat
                                               "--tokenizer-model", str(data.dir), "--split", "1,0,0"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    assert "0.png: unreadable image" in proc.stdout and "document(s) with an unreadable image skipped" in proc.stdout
+    assert "0.png: unreadable image" in proc.stdout and "document(s) with an unreadable image or video skipped" in proc.stdout
     assert "data: up to iteration 1 on this rank: 1 document(s)" in proc.stdout
     assert _hashes(d) == before
 

@@ -10,6 +10,9 @@ Three sources, chosen by ``args``:
   document boundaries (Megatron-LM pretraining), no ``cu_seqlens``.
 - ``--data-path`` with ``--dataset-type vqa``: packed image+text SFT rows (``data/vqa.py``) from JSONL files,
   WebDataset tars or directories of them, split by ``--split`` over the records.
+- ``--data-path`` with ``--dataset-type chat``: packed conversations with images and videos rendered by the
+  checkpoint's chat template (``data/conversations.py``: messages JSONL, the VQA sources mapped to messages), split
+  by ``--split`` over the conversations; ``--chat-template``, ``--loss-on-all-turns``, ``--loss-on-last-turn-only``.
 
 Sample counts follow Megatron-LM: train ``train_iters * global_batch_size`` (or ``train_samples``), valid
 ``(train_iters // eval_interval + 1) * eval_iters * global_batch_size``, test ``eval_iters * global_batch_size``.
@@ -31,7 +34,7 @@ import numpy as np
 
 from megatron_glm5.data import DataError
 
-DATASET_TYPES = ("gpt", "vqa")
+DATASET_TYPES = ("gpt", "vqa", "chat")
 _SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -190,6 +193,79 @@ def _build_vqa(args, model_config, tokenizer, sizes):
     return tuple(out)
 
 
+def _build_chat(args, model_config, tokenizer, sizes):
+    from megatron_glm5.data.chat_template import build_processor, build_video_processor, load_chat_template
+    from megatron_glm5.data.conversations import ChatDocuments, PackedChatDataset, read_conversations
+    from megatron_glm5.data.vqa import build_image_processor
+
+    from megatron_glm5.data.energon import energon_source
+
+    if model_config.vision is None:
+        raise DataError("--dataset-type chat: the model config has no vision_config")
+    for p in args.data_path:
+        try:
+            float(p)
+        except ValueError:
+            continue
+        if not os.path.exists(p):
+            raise DataError(f"--data-path: weights are not supported with --dataset-type chat (got {p!r}); blend "
+                            f"with an Energon metadataset")
+    energon = energon_source(list(args.data_path))
+    matrix = _split_matrix(args.split) if energon is None else None
+    hf_dir = getattr(args, "hf_config", None)
+    pre = {n: os.path.join(hf_dir, n) if isinstance(hf_dir, str) and os.path.isdir(hf_dir) else None
+           for n in ("preprocessor_config.json", "video_preprocessor_config.json")}
+    pre = {n: p if p and os.path.isfile(p) else None for n, p in pre.items()}
+    lo, hi = getattr(args, "min_image_tokens", None), getattr(args, "max_image_tokens", None)
+    image_processor = build_image_processor(model_config.vision, pre["preprocessor_config.json"], lo, hi)
+    video_processor = build_video_processor(model_config.vision, pre["video_preprocessor_config.json"], lo, hi)
+    template = load_chat_template(args.tokenizer_model, getattr(args, "chat_template", None))
+    processor = build_processor(args.tokenizer_model, template, image_processor, video_processor)
+    loss = ("all" if getattr(args, "loss_on_all_turns", False) else
+            "last" if getattr(args, "loss_on_last_turn_only", False) else "assistant")
+    if energon is not None:
+        return _build_energon(args, energon, ChatDocuments([], processor, model_config, tokenizer.eod, loss=loss),
+                              tokenizer, sizes)
+    docs = ChatDocuments(read_conversations(args.data_path), processor, model_config, tokenizer.eod, loss=loss)
+    out: List[Optional[PackedChatDataset]] = []
+    for i, (name, bookend) in enumerate(zip(_SPLIT_NAMES, matrix)):
+        if bookend is None or sizes[i] == 0:
+            out.append(None)
+            continue
+        beg, end = _split_range(bookend, len(docs))
+        if end <= beg:
+            _print_rank0(f"> --split {args.split}: the {name} split of {len(docs)} conversations is empty: no "
+                         f"{name} dataset")
+            out.append(None)
+            continue
+        ds = PackedChatDataset(docs, np.arange(beg, end), sizes[i], args.seq_length, args.seed, tokenizer.pad,
+                               split_index=i, name=name)
+        _print_rank0(f"> {ds.summary()}")
+        out.append(ds)
+    return tuple(out)
+
+
+def _build_energon(args, path, planner, tokenizer, sizes):
+    """(train iterator, None, None) over the Energon source ``path`` (its own splits: the ``train`` part)."""
+    from megatron.core import parallel_state
+
+    from megatron_glm5.data.energon import build_energon_loader
+
+    if sizes[1] or sizes[2]:
+        raise DataError(f"--data-path {path}: validation and test from an Energon source are not read by this "
+                        f"trainer: give --eval-iters 0")
+    initialized = parallel_state.model_parallel_is_initialized()
+    dp_rank = parallel_state.get_data_parallel_rank() if initialized else 0
+    dp_size = parallel_state.get_data_parallel_world_size() if initialized else 1
+    loader = build_energon_loader(path, planner, args.seq_length, tokenizer.pad, args.micro_batch_size, dp_rank,
+                                  dp_size, int(getattr(args, "num_workers", 0) or 0), int(args.seed),
+                                  int(getattr(args, "energon_packing_buffer", 64)),
+                                  int(getattr(args, "energon_shuffle_buffer", 0) or 0))
+    _print_rank0(f"> Energon chat source {path}: packed rows of {args.seq_length} tokens streamed per data-parallel "
+                 f"rank (loader state saved with each checkpoint)")
+    return loader, None, None
+
+
 def build_train_valid_test_datasets(args, model_config, tokenizer, sizes=None):
     """(train, valid, test) map-style datasets (each possibly None) for ``args`` (see the module docstring).
 
@@ -209,7 +285,8 @@ def build_train_valid_test_datasets(args, model_config, tokenizer, sizes=None):
     sizes = tuple(int(n) for n in sizes) if sizes is not None else train_valid_test_num_samples(args)
     if getattr(args, "mock_data", False):
         if dataset_type != "gpt":
-            raise DataError("--mock-data makes text rows only: drop --dataset-type vqa or give --data-path")
+            raise DataError(f"--mock-data makes text rows only: drop --dataset-type {dataset_type} or give "
+                            f"--data-path")
         if tokenizer is not None:
             _check_tokenizer(tokenizer, model_config)
         return _build_gpt(args, model_config, tokenizer, sizes, mock=True)
@@ -218,6 +295,8 @@ def build_train_valid_test_datasets(args, model_config, tokenizer, sizes=None):
     _check_tokenizer(tokenizer, model_config)
     if dataset_type == "vqa":
         datasets = _build_vqa(args, model_config, tokenizer, sizes)
+    elif dataset_type == "chat":
+        datasets = _build_chat(args, model_config, tokenizer, sizes)
     else:
         datasets = _build_gpt(args, model_config, tokenizer, sizes, mock=False)
     if sizes[1] > 0 and datasets[1] is None:  # Megatron-LM would run validation on no loader and fail mid-run

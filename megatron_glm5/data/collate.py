@@ -6,8 +6,9 @@ Packed rows (``cu_seqlens`` present, megatron-core's THD convention with ``b = 1
 end as ONE row ``[1, b*s]`` (``tokens``, ``labels``, ``loss_mask`` and any other per-token key); ``cu_seqlens`` is
 offset by each row's start and concatenated (int32, ``[sum(n_docs) + 1]``, 0 .. b*s); ``pixel_values`` /
 ``image_grid_thw`` and ``pixel_values_videos`` / ``video_grid_thw`` are concatenated over the rows that have them
-(absent when none has), keeping image and video order equal to placeholder order. Build ``PackedSeqParams`` from
-``cu_seqlens`` with ``models.packing.make_packed_seq_params``.
+(absent when none has), keeping image and video order equal to placeholder order; per-row counters
+(``skipped_documents`` [1], ``modality_tokens`` [3]) are laid end to end like tokens ([1, b] and [1, 3b]).
+Build ``PackedSeqParams`` from ``cu_seqlens`` with ``models.packing.make_packed_seq_params``.
 """
 
 from __future__ import annotations

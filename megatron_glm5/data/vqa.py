@@ -67,14 +67,18 @@ def placeholder_ids(model_config) -> set:
 # ------------------------------------------------------------------------------------------------ records
 @dataclass(frozen=True)
 class ImageRef:
-    """Where an image's encoded bytes live: a whole file, or ``size`` bytes at ``offset`` inside a tar."""
+    """Where an image's encoded bytes live: a whole file, ``size`` bytes at ``offset`` inside a tar, or ``data``
+    already in memory (a sample streamed by Megatron-Energon)."""
 
     path: str
     name: str
     offset: int = 0
     size: int = -1
+    data: Optional[bytes] = None
 
     def read(self) -> bytes:
+        if self.data is not None:
+            return self.data
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             return f.read(self.size)
@@ -82,7 +86,8 @@ class ImageRef:
     def _open(self):
         from PIL import Image, UnidentifiedImageError
 
-        size = self.size if self.size >= 0 else os.path.getsize(self.path)
+        size = len(self.data) if self.data is not None else self.size if self.size >= 0 else os.path.getsize(
+            self.path)
         if size > MAX_IMAGE_BYTES:
             raise DataError(f"{self.name}: image file of {size} bytes, more than {MAX_IMAGE_BYTES}")
         if size == 0:
@@ -144,6 +149,20 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
+def media_path(base: str, root: str, rel: str, where: str, what: str = "image") -> str:
+    """``base/rel`` for a media path ``rel`` of the record ``where`` in a JSONL of the directory ``base`` (``root``:
+    its real path): refused when it holds a NUL, is absolute or leaves ``base`` (symlinks resolved), or is missing."""
+    full = os.path.join(base, rel)
+    if "\0" in rel:
+        raise DataError(f"{where}: {what} path {rel!r} holds a NUL character")
+    if os.path.isabs(rel) or not _inside(os.path.realpath(full), root):
+        raise DataError(f"{where}: {what} {rel!r} lies outside {base} ({what} paths are relative to the JSONL's "
+                        f"directory and stay inside it)")
+    if not os.path.isfile(full):
+        raise DataError(f"{where}: {what} {full} not found")
+    return full
+
+
 def read_jsonl(path: str) -> List[VQARecord]:
     """Records of a VQA JSONL file. Image paths are relative to the file's directory and must stay inside it
     (symlinks resolved): an absolute path or one leaving the directory is refused."""
@@ -161,15 +180,7 @@ def read_jsonl(path: str) -> List[VQARecord]:
                 image = obj.get("image")
                 ref = None
                 if image is not None:
-                    image = text_field(obj, "image", where)
-                    full = os.path.join(base, image)
-                    if "\0" in image:
-                        raise DataError(f"{where}: image path {image!r} holds a NUL character")
-                    if os.path.isabs(image) or not _inside(os.path.realpath(full), root):
-                        raise DataError(f"{where}: image {image!r} lies outside {base} (image paths are relative "
-                                        f"to the JSONL's directory and stay inside it)")
-                    if not os.path.isfile(full):
-                        raise DataError(f"{where}: image {full} not found")
+                    full = media_path(base, root, text_field(obj, "image", where), where, "image")
                     ref = ImageRef(path=full, name=full)
                 out.append(VQARecord(q, a, ref, where))
     except UnicodeDecodeError as e:
@@ -255,8 +266,8 @@ def read_webdataset(path: str) -> List[VQARecord]:
     return out
 
 
-def read_vqa_records(paths: Sequence[str]) -> List[VQARecord]:
-    """All records of ``paths`` (JSONL files, tars, or directories of them), in order."""
+def data_files(paths: Sequence[str]) -> List[str]:
+    """The files of ``--data-path``: each file as given, each directory's ``*.tar`` then ``*.jsonl`` (sorted)."""
     files: List[str] = []
     for p in paths:
         if os.path.isdir(p):
@@ -268,8 +279,13 @@ def read_vqa_records(paths: Sequence[str]) -> List[VQARecord]:
             files.append(p)
         else:
             raise DataError(f"--data-path: {p} not found")
+    return files
+
+
+def read_vqa_records(paths: Sequence[str]) -> List[VQARecord]:
+    """All records of ``paths`` (JSONL files, tars, or directories of them), in order."""
     records: List[VQARecord] = []
-    for f in files:
+    for f in data_files(paths):
         records.extend(read_webdataset(f) if f.endswith(".tar") else read_jsonl(f))
     if not records:
         raise DataError(f"--data-path: no records in {', '.join(paths)}")

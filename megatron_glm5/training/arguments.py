@@ -129,7 +129,7 @@ _BOUNDS = {
         "dist_ckpt_workers", "num_dataset_builder_threads", "tensorboard_queue_size", "make_vocab_size_divisible_by",
         "distributed_timeout_minutes", "num_distributed_optimizer_instances", "ddp_num_buckets", "ddp_bucket_size",
         "vocab_size", "padded_vocab_size", "hysteresis", "fp8_interval", "fp8_amax_history_len",
-        "max_consecutive_skipped_iterations"), _POSITIVE),
+        "max_consecutive_skipped_iterations", "energon_packing_buffer"), _POSITIVE),
     "seed": Bound(1, 2**31 - 1),  # > 0 (Megatron-LM), + 100 x PP rank + 10 x DP rank within numpy's 2**32
     **dict.fromkeys((
         "lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "start_weight_decay", "end_weight_decay",
@@ -222,9 +222,22 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
 
     g = parser.add_argument_group("GLM-5.3 data")
-    g.add_argument("--dataset-type", choices=("gpt", "vqa"), default="gpt",
+    g.add_argument("--dataset-type", choices=("gpt", "vqa", "chat"), default="gpt",
                    help="gpt: indexed text (--data-path PREFIX ...) or --mock-data; vqa: packed image+text SFT rows "
-                        "from JSONL / WebDataset tar {image, question, answer} records (--data-path FILE|DIR ...)")
+                        "from JSONL / WebDataset tar {image, question, answer} records (--data-path FILE|DIR ...) in "
+                        "a fixed simple format; chat: packed conversations (messages JSONL with images / videos, the "
+                        "vqa sources too, or a prepared Energon dataset) rendered by the checkpoint's chat template "
+                        "(or Megatron-LM's --chat-template: a Jinja FILE, or the template text)")
+    g.add_argument("--energon-packing-buffer", type=int, default=64,
+                   help="--dataset-type chat with an Energon source: documents first-fit packed together into rows")
+    g.add_argument("--energon-shuffle-buffer", type=int, default=0,
+                   help="--dataset-type chat with an Energon source: Energon's sample shuffle buffer (0: off)")
+    turns = g.add_mutually_exclusive_group()
+    turns.add_argument("--loss-on-all-turns", action="store_true",
+                       help="--dataset-type chat: train on every token of the conversation (system and user turns "
+                            "too; never image / video tokens) instead of the assistant turns only")
+    turns.add_argument("--loss-on-last-turn-only", action="store_true",
+                       help="--dataset-type chat: train on the last assistant turn of each conversation only")
 
     g = parser.add_argument_group("GLM-5.3 training")
     g.add_argument("--max-consecutive-skipped-iterations", type=int, default=5,
@@ -417,8 +430,14 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
     check_split(args.split, train=bool(files))
     _require(args.mock_data or files, "--data-path", "give --data-path or --mock-data")
     _require(not (args.mock_data and files), "--mock-data", "give either --mock-data or --data-path, not both")
-    _require(not (args.mock_data and args.dataset_type == "vqa"), "--mock-data",
-             "mock data is text: leave out --dataset-type vqa")
+    _require(not (args.mock_data and args.dataset_type != "gpt"), "--mock-data",
+             f"mock data is text: leave out --dataset-type {args.dataset_type}")
+    if args.dataset_type != "chat":
+        for flag in ("chat_template", "loss_on_all_turns", "loss_on_last_turn_only"):  # read by chat only
+            _require(not getattr(args, flag), "--" + flag.replace("_", "-"), "only --dataset-type chat reads it")
+    if args.chat_template and "{" not in args.chat_template:  # Megatron-LM's flag: the Jinja text, or here a FILE
+        _require(os.path.isfile(args.chat_template), "--chat-template",
+                 f"{args.chat_template} is neither a file nor a Jinja template")
     for f in files:
         if args.dataset_type == "gpt":
             if os.path.isdir(f) and not os.path.isfile(f + ".idx"):
@@ -436,7 +455,7 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
         tok = args.tokenizer_model
         tok_file = os.path.join(tok, "tokenizer.json") if os.path.isdir(tok) else tok
         _require(os.path.isfile(tok_file), "--tokenizer-model", f"no tokenizer.json at {tok}")
-    if args.dataset_type == "vqa":
+    if args.dataset_type in ("vqa", "chat"):
         _require(args.dataloader_type in (None, "external"), "--dataloader-type",
                  "packed image+text rows come from the project's own loader: leave it out (external)")
     if args.save or args.load or args.pretrained_checkpoint:  # the only format the checks and manifests cover
@@ -480,7 +499,7 @@ def _glm5_args_defaults(args_defaults: dict, argv: List[str]) -> dict:
     if out.get("max_position_embeddings") is None and known.seq_length:  # no limit in the config: the rows' length
         out["max_position_embeddings"] = known.seq_length
     out["tokenizer_type"] = "HuggingFaceTokenizer" if known.tokenizer_model else "NullTokenizer"
-    if known.dataset_type == "vqa":
+    if known.dataset_type in ("vqa", "chat"):
         out["dataloader_type"] = "external"
     return out
 

@@ -1,0 +1,157 @@
+"""Megatron-Energon as a ``--dataset-type chat`` source: datasets prepared by the test with ``energon prepare``
+(``VQASample`` with a field map, and ``CrudeWebdataset`` multi-turn conversations with images and videos), a
+metadataset blend; the same documents as the map-style source; the loader state saved in the checkpoint (JSON,
+nothing unpickled) so that a killed and resumed run trains on exactly the rows of a straight run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_glm5.config import Glm5Config, tiny_hf_config
+from megatron_glm5.data import DataError
+from megatron_glm5.data.chat_template import build_processor, build_video_processor, load_chat_template
+from megatron_glm5.data.conversations import ChatDocuments, read_conversations
+from megatron_glm5.data.energon import build_energon_loader, decode_state, encode_state, energon_class
+from megatron_glm5.data.tiny_data import make_chat_webdataset, make_vqa_webdataset, write_tiny_hf_assets
+from megatron_glm5.data.vqa import build_image_processor
+from training_harness import TINY, run, scalars
+
+ENERGON = os.path.join(os.path.dirname(sys.executable), "energon")
+
+
+def _prepare(folder, *extra):
+    proc = subprocess.run([ENERGON, "prepare", str(folder), "--non-interactive", "--split-ratio", "1,0,0",
+                           "--num-workers", "1", "--no-progress", *extra], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (folder / ".nv-meta" / "dataset.yaml").is_file()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("energon")
+    hf = tiny_hf_config()
+    write_tiny_hf_assets(str(root / "hf"), hf)
+    (root / "vqa").mkdir()
+    make_vqa_webdataset(str(root / "vqa" / "a.tar"), 6, key_prefix="a")
+    make_vqa_webdataset(str(root / "vqa" / "b.tar"), 6, seed=1, key_prefix="b")
+    _prepare(root / "vqa", "--sample-type", "VQASample", "--field-map",
+             json.dumps({"image": "png", "context": "json[question]", "answers": "json[answer]"}))
+    (root / "chat").mkdir()
+    make_chat_webdataset(str(root / "chat" / "a.tar"), 8, key_prefix="a")
+    make_chat_webdataset(str(root / "chat" / "b.tar"), 8, seed=1, key_prefix="b")
+    _prepare(root / "chat", "--sample-type", "CrudeWebdataset")
+    (root / "blend.yaml").write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n"
+                                     "    blend:\n      - weight: 1\n        path: vqa\n"
+                                     "      - weight: 3\n        path: chat\n")
+    cfg = Glm5Config.from_hf(hf)
+    proc = build_processor(str(root / "hf"), load_chat_template(str(root / "hf")),
+                           build_image_processor(cfg.vision), build_video_processor(cfg.vision))
+    return root, cfg, proc
+
+
+def _loader(env, path, micro=1):
+    root, cfg, proc = env
+    return build_energon_loader(str(path), ChatDocuments([], proc, cfg, eod=0), 256, 0, micro, 0, 1, 0, 1234, 16, 0)
+
+
+def test_vqa_samples_are_the_map_style_documents(env):
+    root, cfg, proc = env
+    enc = energon_class("ChatTaskEncoder")(ChatDocuments([], proc, cfg, eod=0), 256, 0)
+    ref = ChatDocuments(read_conversations([str(root / "vqa" / "a.tar")]), proc, cfg, eod=0)
+    it = _loader(env, root / "vqa")
+    rows = [next(it) for _ in range(4)]
+    seen = set()
+    for r in rows:
+        cu = r["cu_seqlens"].tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            seen.add(tuple(r["tokens"][0, a:b].tolist()))
+    assert any(tuple(t.tolist()) in seen for t in ref.tokens)  # the same token ids as the JSONL / tar reader
+    assert all("pixel_values" in r for r in rows) and enc.seq_length == 256
+
+
+def test_chat_samples_blend_and_exact_restore(env):
+    root, cfg, proc = env
+    for path in (root / "chat", root / "blend.yaml"):
+        it = _loader(env, path)
+        first = [next(it) for _ in range(3)]
+        state = it.save_state()
+        assert isinstance(state, str) and json.loads(state)
+        after = [next(it) for _ in range(4)]
+        again = _loader(env, path)
+        again.restore(decode_state(state, "state"))
+        for x, y in zip(after, [next(again) for _ in range(4)]):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        keys = set().union(*(r.keys() for r in first + after))
+        if path.name == "chat":
+            assert {"pixel_values", "pixel_values_videos", "video_grid_thw"} <= keys
+
+
+def test_state_json_round_trip_and_refusals():
+    from megatron.energon.state import FlexState
+
+    state = {"a": (1, b"\x00\xff", [FlexState(x=np.arange(3, dtype=np.int64))]), "t": torch.tensor([1.5])}
+    back = decode_state(encode_state(state), "s")
+    assert back["a"][:2] == (1, b"\x00\xff") and isinstance(back["a"][2][0], FlexState)
+    assert np.array_equal(back["a"][2][0]["x"], np.arange(3)) and torch.equal(back["t"], torch.tensor([1.5]))
+    for bad in ('{"__dataclass__": "os:system", "fields": {}}', '{"__ndarray__": {"dtype": "|O", "shape": [1], '
+                '"data": "AA=="}}', "not json"):
+        with pytest.raises(DataError) as e:
+            decode_state(bad, "ck/train_dataloader_dprank000.pt")
+        assert "ck/train_dataloader_dprank000.pt: not an Energon loader state" in str(e.value)
+
+
+def test_killed_and_resumed_run_equals_a_straight_run(env, tmp_path):
+    """6 steps straight == 3 steps, a save killed at step 6, resume from 3 with the loader state of the checkpoint,
+    3 more steps: the same losses (the rows of steps 4-6 are the same)."""
+    root, cfg, proc = env
+    args = list(TINY)
+    args[args.index("--seq-length") + 1] = "256"
+    common = args + ["--dataset-type", "chat", "--tokenizer-model", str(root / "hf"), "--data-path",
+                     str(root / "chat"), "--train-iters", "6", "--moe-aux-loss-coeff", "1e-3"]
+    a = run(common + ["--tensorboard-dir", str(tmp_path / "tba")])
+    assert a.returncode == 0, a.stderr[-3000:]
+    b = run(common + ["--save", str(tmp_path / "b"), "--save-interval", "3", "--test-kill-during-save", "6"])
+    assert b.returncode == -9, (b.returncode, b.stderr[-2000:])
+    ck = tmp_path / "b" / "iter_0000003"
+    assert "train_dataloader_dprank000.pt" in json.loads((ck / "integrity.json").read_text())["files"]
+    c = run(common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b"), "--save-interval", "100",
+                      "--tensorboard-dir", str(tmp_path / "tbc")])
+    assert c.returncode == 0, c.stderr[-3000:]
+    la, lc = dict(scalars(tmp_path / "tba")["lm loss"]), dict(scalars(tmp_path / "tbc")["lm loss"])
+    assert sorted(lc) == [4, 5, 6] and all(la[i] == lc[i] for i in (4, 5, 6)), (la, lc)
+    assert scalars(tmp_path / "tbc")["data/video-tokens"][-1][1] > 0
+    assert 0.3 < scalars(tmp_path / "tbc")["packing-efficiency"][-1][1] <= 1.0  # of the streamed rows
+
+
+def test_bad_energon_samples_are_skipped_with_a_notice(env, tmp_path, capfd):
+    import io
+    import tarfile
+
+    root, cfg, proc = env
+    d = tmp_path / "bad"
+    d.mkdir()
+    make_chat_webdataset(str(d / "a.tar"), 4, key_prefix="a")
+    with tarfile.open(d / "b.tar", "w") as tf:
+        for name, data in (("b0.json", b"{not json"),
+                           ("b1.json", json.dumps({"messages": [
+                               {"role": "user", "content": [{"type": "image", "image": "0.png"}]},
+                               {"role": "assistant", "content": "x"}]}).encode()),
+                           ("b2.json", json.dumps({"messages": [{"role": "user", "content": "hi <|image|>"},
+                                                                {"role": "assistant", "content": "x"}]}).encode())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    _prepare(d, "--sample-type", "CrudeWebdataset")
+    it = _loader(env, d)
+    rows = [next(it) for _ in range(6)]
+    out = capfd.readouterr()
+    assert sum(int(r["skipped_documents"].sum()) for r in rows) >= 2
+    assert "has no part '0.png'" in out.out and "holds the special token '<|image|>'" in out.out
+    assert "notice: an Energon sample: b.tar:b0.json: bad JSON" in out.out
+    assert "Traceback" not in out.out + out.err
