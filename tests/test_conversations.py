@@ -205,21 +205,9 @@ def test_tagged_template_is_tagged():
     assert TAGGED != GLM_CHAT_TEMPLATE and "{% generation %}" in TAGGED
 
 
-def _forward_takes_videos() -> bool:
-    import inspect
-
-    import pretrain_glm5_vlm
-
-    return "pixel_values_videos" in inspect.getsource(pretrain_glm5_vlm.forward_step)
-
-
-@pytest.mark.parametrize("with_videos", [
-    False,
-    pytest.param(True, marks=pytest.mark.skipif(not _forward_takes_videos(), reason="the model side of video "
-                                                "(forward_step passing pixel_values_videos) is not merged yet")),
-])
+@pytest.mark.parametrize("with_videos", [False, True])
 def test_memorise_conversations_through_pretrain(chat, tmp_path, with_videos):
-    """A tiny model memorises a small conversation set (images, and videos when the model takes them) through
+    """A tiny model memorises a small conversation set (images; images and videos) through
     pretrain_glm5_vlm.py --dataset-type chat: lm loss halves within 30 steps; the rows' text / image / video token
     counts reach TensorBoard."""
     from training_harness import TINY, run, scalars
