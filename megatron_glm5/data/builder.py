@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 
@@ -175,19 +175,25 @@ def _build_vqa(args, model_config, tokenizer, sizes):
                                       getattr(args, "min_image_tokens", None), getattr(args, "max_image_tokens", None))
     records = read_vqa_records(args.data_path)
     docs = VQADocuments(records, tokenizer, model_config, processor)
-    out: List[Optional[PackedVQADataset]] = []
+    return _packed_splits(PackedVQADataset, docs, "records", matrix, sizes, args, tokenizer)
+
+
+def _packed_splits(dataset_cls, docs, what: str, matrix, sizes, args, tokenizer) -> tuple:
+    """(train, valid, test) ``dataset_cls`` over the ``--split`` ranges of ``docs`` (``None`` for a split with no
+    samples asked or no documents; an empty one is said in one line naming ``what`` the documents are)."""
+    out = []
     for i, (name, bookend) in enumerate(zip(_SPLIT_NAMES, matrix)):
         if bookend is None or sizes[i] == 0:
             out.append(None)
             continue
         beg, end = _split_range(bookend, len(docs))
         if end <= beg:
-            _print_rank0(f"> --split {args.split}: the {name} split of {len(docs)} records is empty: no {name} "
+            _print_rank0(f"> --split {args.split}: the {name} split of {len(docs)} {what} is empty: no {name} "
                          f"dataset")
             out.append(None)
             continue
-        ds = PackedVQADataset(docs, np.arange(beg, end), sizes[i], args.seq_length, args.seed, tokenizer.pad,
-                              split_index=i, name=name)
+        ds = dataset_cls(docs, np.arange(beg, end), sizes[i], args.seq_length, args.seed, tokenizer.pad,
+                         split_index=i, name=name)
         _print_rank0(f"> {ds.summary()}")
         out.append(ds)
     return tuple(out)
@@ -227,22 +233,7 @@ def _build_chat(args, model_config, tokenizer, sizes):
         return _build_energon(args, energon, ChatDocuments([], processor, model_config, tokenizer.eod, loss=loss),
                               tokenizer, sizes)
     docs = ChatDocuments(read_conversations(args.data_path), processor, model_config, tokenizer.eod, loss=loss)
-    out: List[Optional[PackedChatDataset]] = []
-    for i, (name, bookend) in enumerate(zip(_SPLIT_NAMES, matrix)):
-        if bookend is None or sizes[i] == 0:
-            out.append(None)
-            continue
-        beg, end = _split_range(bookend, len(docs))
-        if end <= beg:
-            _print_rank0(f"> --split {args.split}: the {name} split of {len(docs)} conversations is empty: no "
-                         f"{name} dataset")
-            out.append(None)
-            continue
-        ds = PackedChatDataset(docs, np.arange(beg, end), sizes[i], args.seq_length, args.seed, tokenizer.pad,
-                               split_index=i, name=name)
-        _print_rank0(f"> {ds.summary()}")
-        out.append(ds)
-    return tuple(out)
+    return _packed_splits(PackedChatDataset, docs, "conversations", matrix, sizes, args, tokenizer)
 
 
 def _build_energon(args, path, planner, tokenizer, sizes):

@@ -17,14 +17,14 @@ and frames that the stream promises but does not deliver when decoded (a truncat
 from __future__ import annotations
 
 import io
-import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from megatron_glm5.cli import one_line
 from megatron_glm5.data import DataError
+from megatron_glm5.data.media import MediaRef
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi")
 MAX_VIDEO_BYTES = 2 * 1024 ** 3
@@ -36,33 +36,14 @@ MAX_DECODED_PIXELS = 1024 ** 3
 
 
 @dataclass(frozen=True)
-class VideoRef:
-    """Where a video's encoded bytes live: a whole file, ``size`` bytes at ``offset`` inside a tar, or ``data``
-    already in memory (a sample streamed by Megatron-Energon)."""
-
-    path: str
-    name: str
-    offset: int = 0
-    size: int = -1
-    data: Optional[bytes] = None
+class VideoRef(MediaRef):
+    """Where a video's encoded bytes live (:class:`~megatron_glm5.data.media.MediaRef`)."""
 
     def _open(self):
         import av
 
-        size = len(self.data) if self.data is not None else self.size if self.size >= 0 else os.path.getsize(
-            self.path)
-        if size > MAX_VIDEO_BYTES:
-            raise DataError(f"{self.name}: video file of {size} bytes, more than {MAX_VIDEO_BYTES}")
-        if size == 0:
-            raise DataError(f"{self.name}: unreadable video (an empty file)")
-        if self.data is not None:
-            src = io.BytesIO(self.data)
-        elif self.size >= 0:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                src = io.BytesIO(f.read(self.size))
-        else:
-            src = self.path
+        self.checked_size(MAX_VIDEO_BYTES, "video")
+        src = self.path if self.data is None and self.size < 0 else io.BytesIO(self.read())
         container = av.open(src, mode="r")
         if not container.streams.video:
             container.close()

@@ -42,6 +42,7 @@ import torch
 from megatron_glm5.cli import one_line
 from megatron_glm5.data import DataError
 from megatron_glm5.data.jsonl import parse_json, text_field
+from megatron_glm5.data.media import MediaRef
 from megatron_glm5.data.pack import assemble_row, first_fit
 
 USER_PREFIX = "<|user|>\n"
@@ -66,32 +67,13 @@ def placeholder_ids(model_config) -> set:
 
 # ------------------------------------------------------------------------------------------------ records
 @dataclass(frozen=True)
-class ImageRef:
-    """Where an image's encoded bytes live: a whole file, ``size`` bytes at ``offset`` inside a tar, or ``data``
-    already in memory (a sample streamed by Megatron-Energon)."""
-
-    path: str
-    name: str
-    offset: int = 0
-    size: int = -1
-    data: Optional[bytes] = None
-
-    def read(self) -> bytes:
-        if self.data is not None:
-            return self.data
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            return f.read(self.size)
+class ImageRef(MediaRef):
+    """Where an image's encoded bytes live (:class:`~megatron_glm5.data.media.MediaRef`)."""
 
     def _open(self):
         from PIL import Image, UnidentifiedImageError
 
-        size = len(self.data) if self.data is not None else self.size if self.size >= 0 else os.path.getsize(
-            self.path)
-        if size > MAX_IMAGE_BYTES:
-            raise DataError(f"{self.name}: image file of {size} bytes, more than {MAX_IMAGE_BYTES}")
-        if size == 0:
-            raise DataError(f"{self.name}: unreadable image (an empty file)")
+        self.checked_size(MAX_IMAGE_BYTES, "image")
         try:
             img = Image.open(io.BytesIO(self.read()))
         except UnidentifiedImageError:  # its message names the BytesIO object, not the file
