@@ -92,3 +92,64 @@ def test_indexer_kl_equals_reference_values_and_gradients(case):
     kl1, rows1, grads1, _, _ = ours(1)                               # one query per chunk
     assert int(rows1) == int(rows) and abs(kl1 - kl) <= 1e-6 * abs(kl)
     assert all((grads1[n] - grads[n]).norm() <= 1e-6 * grads[n].norm() for n in grads)
+
+
+# ---------------------------------------------------------------------------- the model: detach and frozen
+DOCS = (21, 34, 17, 40)
+
+
+def _model(mcore_seed=3, **cfg_over):
+    from megatron_glm5.config import tiny_hf_config
+    from megatron_glm5.models.builder import build_model
+
+    hf = tiny_hf_config(with_vision=False, mtp=True)
+    torch.manual_seed(mcore_seed)
+    cfg = Glm5Config.from_hf(hf, use_cpu_initialization=True, **cfg_over)
+    return build_model(cfg)
+
+
+def _packed_batch(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 240, (1, sum(DOCS)), generator=g)
+    labels = torch.randint(1, 240, (1, sum(DOCS)), generator=g)
+    cu = torch.tensor([0] + torch.tensor(DOCS).cumsum(0).tolist(), dtype=torch.int32)
+    return ids, labels, make_packed_seq_params(cu)
+
+
+def _lm_backward(model, ids, labels, psp):
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+    model.zero_grad(set_to_none=True)
+    model.train()
+    loss = model(ids, labels=labels, packed_seq_params=psp)
+    loss.float().mean().backward()
+    values = DSAIndexerLossLoggingHelper.tracker.get("values")
+    logged = values.clone() if values is not None else None
+    DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
+    return {n: p.grad for n, p in model.named_parameters()}, logged
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-kl", "sparse-kl"])
+def test_lm_gradients_bitwise_equal_with_indexer_loss_on_and_off(mcore, sparse):
+    """The LM loss's gradient of every non-indexer parameter (decoder, MTP, embedding, head) is bitwise the same
+    with the indexer loss on and off: the indexer's inputs are detached and the loss joins the backward only
+    through megatron-core's DSAIndexerLossAutoScaler. With it off the indexers are frozen (no gradient); with it on
+    each one gets a gradient and its loss is recorded in its slot (2 decoder DSA layers + the MTP layer)."""
+    off = _model()
+    on = _model(dsa_indexer_loss_coeff=0.5, dsa_indexer_use_sparse_loss=sparse)
+    on.load_state_dict(off.state_dict())
+    ids, labels, psp = _packed_batch(off.config.vocab_size)
+    g_off, logged_off = _lm_backward(off, ids, labels, psp)
+    g_on, logged_on = _lm_backward(on, ids, labels, psp)
+    indexer = [n for n in g_off if ".indexer." in n]
+    assert len(indexer) == 3 * 7, indexer                      # 3 indexers (layers 2, 4 and the MTP layer)
+    assert logged_off is None or not logged_off.any()
+    assert all(not p.requires_grad for n, p in off.named_parameters() if ".indexer." in n)
+    assert all(g_off[n] is None for n in indexer)
+    assert all(g_on[n] is not None and g_on[n].abs().sum() > 0 for n in indexer), indexer
+    others = [n for n in g_off if n not in indexer]
+    assert all(g_off[n] is not None for n in others if "vision" not in n)
+    differ = [n for n in others if not (g_off[n] is None and g_on[n] is None) and not torch.equal(g_off[n], g_on[n])]
+    assert differ == []
+    print(f"\nindexer loss per slot ({'sparse' if sparse else 'dense'} KL): {logged_on.tolist()}")
+    assert logged_on.shape == (3,) and (logged_on > 0).all()

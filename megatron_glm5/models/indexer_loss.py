@@ -206,17 +206,16 @@ def indexer_loss_value(kl_sum: torch.Tensor, rows: torch.Tensor, coeff: float, c
     return kl_sum / count.clamp_min(1.0) * coeff
 
 
-def indexer_loss_slot(config, layer_number: int) -> Tuple[int, int]:
-    """``(slot, n_slots)``: this layer's 1-based place among the model's layers that run their own indexer (the
-    decoder's 'full' DSA layers, then the MTP layers), for megatron-core's ``DSAIndexerLossLoggingHelper`` (whose
-    logged 'indexer loss' is the mean over the slots)."""
+def indexer_loss_slot(config, layer_number: int, is_mtp_layer: bool = False) -> Tuple[int, int]:
+    """``(slot, n_slots)``: the 1-based place of a layer's indexer among the model's (the decoder's 'full' DSA layers
+    in order, then the MTP layers; ``layer_number`` is the global layer number, or the MTP depth with
+    ``is_mtp_layer``), for megatron-core's ``DSAIndexerLossLoggingHelper`` (whose logged 'indexer loss' is the mean
+    over the slots)."""
     from megatron_glm5.config import INDEXED_ATTENTION
 
-    n = config.num_layers
-    full = [i + 1 for i in range(n) if config.layer_types[i] == INDEXED_ATTENTION
+    full = [i + 1 for i in range(config.num_layers) if config.layer_types[i] == INDEXED_ATTENTION
             and config.indexer_types[i] == "full"]
-    mtp = int(config.mtp_num_layers or 0)
-    n_slots = len(full) + mtp
-    if layer_number > n:
-        return len(full) + min(layer_number - n, max(mtp, 1)), max(n_slots, 1)
-    return full.index(layer_number) + 1, max(n_slots, 1)
+    n_slots = len(full) + int(config.mtp_num_layers or 0)
+    if is_mtp_layer:
+        return len(full) + layer_number, n_slots
+    return full.index(layer_number) + 1, n_slots
