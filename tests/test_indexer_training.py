@@ -153,3 +153,88 @@ def test_lm_gradients_bitwise_equal_with_indexer_loss_on_and_off(mcore, sparse):
     assert differ == []
     print(f"\nindexer loss per slot ({'sparse' if sparse else 'dense'} KL): {logged_on.tolist()}")
     assert logged_on.shape == (3,) and (logged_on > 0).all()
+
+
+# ---------------------------------------------------------------------------- through pretrain_glm5_vlm.py
+def _train(tmp, name, extra, iters=4):
+    from tests.training_harness import TINY, run
+
+    args = TINY + ["--mock-data", "--train-iters", str(iters), "--weight-decay", "0.1", "--save", str(tmp / name),
+                   "--save-interval", "100", "--tensorboard-dir", str(tmp / f"tb_{name}")] + extra
+    proc = run(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Runs of the tiny preset from the same initial weights: 'init' (one step at lr 0: the initial weights), 'off'
+    (4 steps, indexer loss off, weight decay 0.1), 'sparse' (4 steps with the sparse indexer loss), 'warmup'
+    (--dsa-indexer-warmup 3: the run ends at iteration 3)."""
+    tmp = tmp_path_factory.mktemp("idx_train")
+    procs = {
+        "init": _train(tmp, "init", ["--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0"], iters=1),
+        "off": _train(tmp, "off", []),
+        "sparse": _train(tmp, "sparse", ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-use-sparse-loss"]),
+        "warmup": _train(tmp, "warmup", ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-warmup", "3"]),
+    }
+    return tmp, procs
+
+
+def _weights(tmp, name, iteration):
+    from tests.training_harness import read_dist_checkpoint
+
+    sd = read_dist_checkpoint(str(tmp / name / f"iter_{iteration:07d}"))
+    return {k: v for k, v in sd.items() if not k.startswith("optimizer.") and "expert_bias" not in k
+            and "local_tokens_per_expert" not in k}, sd
+
+
+def test_frozen_indexer_is_bitwise_unchanged_with_weight_decay(trained):
+    """Loss off (the default): after 4 steps at weight decay 0.1 every indexer tensor is bitwise the initial one,
+    it is in the checkpoint and has no optimizer state (no param group); the other weights did train."""
+    tmp, procs = trained
+    init, _ = _weights(tmp, "init", 1)
+    off, full = _weights(tmp, "off", 4)
+    indexer = [k for k in off if ".indexer." in k]
+    assert len(indexer) == 3 * 7, indexer                      # layers 2 and 4 and the MTP layer, 7 tensors each
+    assert [k for k in indexer if not torch.equal(off[k], init[k])] == []
+    assert not any(".indexer." in k for k in full if k.startswith("optimizer."))
+    assert any(k.startswith("optimizer.") for k in full)
+    trained_keys = [k for k in off if ".indexer." not in k and not torch.equal(off[k], init[k])]
+    assert len(trained_keys) > 50, trained_keys
+    assert "indexer loss" not in procs["off"].stdout
+
+
+def test_sparse_stage_trains_the_indexer_and_logs_its_loss(trained):
+    """--dsa-indexer-loss-coeff with --dsa-indexer-use-sparse-loss: 'indexer loss' on the console line and in
+    TensorBoard every iteration; the indexers train (optimizer state, changed weights) next to the model."""
+    from tests.training_harness import scalars
+
+    tmp, procs = trained
+    init, _ = _weights(tmp, "init", 1)
+    sparse, full = _weights(tmp, "sparse", 4)
+    tb = scalars(tmp / "tb_sparse")
+    assert sorted(i for i, _ in tb["indexer loss"]) == [1, 2, 3, 4]
+    assert all(v > 0 for _, v in tb["indexer loss"])
+    assert procs["sparse"].stdout.count("indexer loss:") == 4
+    indexer = [k for k in sparse if ".indexer." in k]
+    assert all(not torch.equal(sparse[k], init[k]) for k in indexer if "k_norm.bias" not in k)
+    assert any(".indexer." in k for k in full if k.startswith("optimizer."))
+    others = [k for k in sparse if ".indexer." not in k and not torch.equal(sparse[k], init[k])]
+    assert len(others) > 50
+
+
+def test_dense_warmup_trains_only_the_indexers_and_stops_at_n(trained):
+    """--dsa-indexer-warmup 3: the run ends at iteration 3 (saved), every non-indexer weight is bitwise the
+    initial one (weight decay 0.1, MTP and aux losses on), the indexers trained, 'indexer loss' is logged."""
+    from tests.training_harness import scalars
+
+    tmp, procs = trained
+    assert (tmp / "warmup" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    init, _ = _weights(tmp, "init", 1)
+    warm, full = _weights(tmp, "warmup", 3)
+    moved = [k for k in warm if not torch.equal(warm[k], init[k])]
+    assert moved and all(".indexer." in k for k in moved), moved
+    assert sorted(i for i, _ in scalars(tmp / "tb_warmup")["indexer loss"]) == [1, 2, 3]
+    assert not any(k.startswith("optimizer.") and ".indexer." not in k and "exp_avg" in k for k in full)
