@@ -40,7 +40,7 @@ from megatron.core.transformer.experimental_attention_variant import dsa_indexer
 from megatron_glm5.kernels.indexer_scores import indexer_scores_reference
 from megatron_glm5.models.packing import document_ids
 
-__all__ = ["kpool_indexer_kl", "kpool_indexer_kl_reference", "indexer_loss_value", "indexer_loss_slot"]
+__all__ = ["dense_pool_mass", "kpool_indexer_kl", "kpool_indexer_kl_reference", "indexer_loss_value", "indexer_loss_slot"]
 
 
 def _tp_sum(x: torch.Tensor, tp_group) -> torch.Tensor:
@@ -93,7 +93,6 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
     """
     b, s, Hl, _ = q_lat.shape
     S = kv_lat.shape[1]
-    off = feats.offset
     device = q_lat.device
     kl_total = torch.zeros((), dtype=torch.float32, device=device)
     rows_total = torch.zeros((), dtype=torch.long, device=device)
@@ -120,7 +119,6 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
             kl_total, rows_total = kl_total + kl, rows_total + rows
         return kl_total, rows_total
 
-    key_doc = document_ids(feats.cu_seqlens, S)                                     # [S]
     n_pools = max(1, feats.pool_doc.numel())
     chunk = max(1, chunk_elements // max(1, b * max(Hl * S, n_pools * feats.q.shape[2])))
     for a in range(0, s, chunk):
@@ -128,22 +126,35 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         lo, hi = feats.candidate_range(a, e)
         if hi <= lo:
             continue
-        k0 = int(feats.pool_tokens[lo, 0])        # first pool of the chunk's first document: its first token
-        k1 = off + e
-        qpos = torch.arange(off + a, off + e, device=device)
-        kpos = torch.arange(k0, k1, device=device)
-        qdoc = feats.query_doc[a:e]
-        visible = (key_doc[k0:k1][None, :] == qdoc[:, None]) & (kpos[None, :] <= qpos[:, None])    # [c, K]
-        scores = torch.einsum("bchr,bkr->bchk", q_lat[:, a:e].float(), kv_lat[:, k0:k1].float()) * attn_scale
-        probs = dsa_masking.masked_softmax(scores, visible[None, :, None].expand_as(scores))
-        mass = _tp_sum(probs.sum(2), tp_group)                                      # [b, c, K]
-        mass = mass[:, :, feats.pool_tokens[lo:hi] - k0].sum(-1)                     # [b, c, P']
-        valid = (feats.pool_doc[lo:hi][None, :] == qdoc[:, None]) & (feats.pool_end[lo:hi][None, :] <= qpos[:, None])
+        mass, valid = dense_pool_mass(feats, q_lat, kv_lat, attn_scale, a, e, lo, hi, tp_group)
         logits = indexer_scores_reference(feats.q[:, a:e], feats.pool_keys[:, lo:hi], feats.weights[:, a:e],
                                           index_scale)
         kl, rows = _kl_rows(mass, logits, valid[None].expand_as(logits))
         kl_total, rows_total = kl_total + kl, rows_total + rows
     return kl_total, rows_total
+
+
+def dense_pool_mass(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scale: float, a: int, e: int, lo: int,
+                    hi: int, tp_group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense causal attention's probability per pool, summed over all heads: queries ``[a, e)`` (local) and pools
+    ``[lo, hi)`` (``feats.candidate_range(a, e)``) -> ``(mass [b, c, hi - lo], visible [c, hi - lo])``.
+    Shapes of ``q_lat`` / ``kv_lat`` as in :func:`kpool_indexer_kl`; no gradient."""
+    off, device = feats.offset, q_lat.device
+    key_doc = document_ids(feats.cu_seqlens, kv_lat.shape[1])
+    k0 = int(feats.pool_tokens[lo, 0])            # first pool of the chunk's first document: its first token
+    k1 = off + e
+    qpos = torch.arange(off + a, off + e, device=device)
+    kpos = torch.arange(k0, k1, device=device)
+    qdoc = feats.query_doc[a:e]
+    visible = (key_doc[k0:k1][None, :] == qdoc[:, None]) & (kpos[None, :] <= qpos[:, None])       # [c, K]
+    with torch.no_grad():
+        scores = torch.einsum("bchr,bkr->bchk", q_lat[:, a:e].float(), kv_lat[:, k0:k1].float()) * attn_scale
+        probs = dsa_masking.masked_softmax(scores, visible[None, :, None].expand_as(scores))
+        mass = _tp_sum(probs.sum(2), tp_group)                                       # [b, c, K]
+        mass = mass[:, :, feats.pool_tokens[lo:hi] - k0].sum(-1)                      # [b, c, P']
+    pools_visible = ((feats.pool_doc[lo:hi][None, :] == qdoc[:, None])
+                     & (feats.pool_end[lo:hi][None, :] <= qpos[:, None]))
+    return mass, pools_visible
 
 
 def kpool_indexer_kl_reference(q_idx: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor,
