@@ -311,3 +311,103 @@ def test_warmup_halves_the_loss_of_a_reinitialised_indexer(mcore, monkeypatch):
           f"top-pool recall {r_first:.2f} -> {r_last:.2f}")
     assert last <= first / 2, losses
     assert r_last >= r_first + 0.2, recalls
+
+
+# ---------------------------------------------------------------------------- TP + SP, CP, PP
+# tests/test_parallel_training.py's runs (its 5-layer 'moe' model with vision and MTP, packed image+text rows, plain
+# SGD, 3 steps), from initial weights whose indexers are drawn wide: with the default init both distributions are
+# near uniform and the KL (~1e-5) is a small difference of O(1) terms, ill-conditioned for a 1e-5 comparison
+from tests.test_parallel_training import LAYOUTS, STEPS, _common  # noqa: E402
+
+INDEXER_LOSS = ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-use-sparse-loss"]
+_ONE_RANK = {}
+
+
+@pytest.fixture(scope="module")
+def pworkdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("indexer_parallel")
+
+
+@pytest.fixture(scope="module")
+def pdata(pworkdir):
+    import os
+
+    from tests.training_harness import run
+
+    out = pworkdir / "data"
+    proc = run(["--out", str(out), "--text-docs", "4", "--vqa-docs", "10"],
+               script=os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "make_tiny_data.py"))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _peaked_checkpoint(workdir):
+    """(HF config dir, a layout-free 'release' checkpoint): the 'moe' model with its indexers' matrices drawn with
+    std 0.3 (Megatron-LM's layout, as tests/test_parallel_training.py writes it)."""
+    import json
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_glm5.checkpoint.megatron_layout import CHECKPOINT_VERSION
+    from megatron_glm5.models.builder import build_model
+    from tests.test_parallel_training import _hf_config
+
+    root = workdir / "init_peaked"
+    if (root / "ckpt" / "latest_checkpointed_iteration.txt").exists():
+        return root, root / "ckpt"
+    root.mkdir(exist_ok=True)
+    hf = _hf_config("moe")
+    (root / "config.json").write_text(json.dumps(hf))
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    model = build_model(Glm5Config.from_hf(hf, use_cpu_initialization=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".indexer." in name and p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    (root / "ckpt" / "release").mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({**model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION},
+                            str(root / "ckpt" / "release"))
+    (root / "ckpt" / "release" / "hf_config.json").write_text(json.dumps(hf))
+    (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text("release")
+    return root, root / "ckpt"
+
+
+def _indexer_run(workdir, data, name, flags, nproc):
+    from tests.training_harness import read_dist_checkpoint, run, scalars
+
+    hf, init = _peaked_checkpoint(workdir)
+    out = workdir / f"idx_{name}"
+    args = _common(hf, data, "sgd") + ["--pretrained-checkpoint", str(init), "--save", str(out / "ckpt"),
+                                       "--save-interval", "100", "--no-save-optim", "--tensorboard-dir",
+                                       str(out / "tb")] + INDEXER_LOSS + list(flags)
+    proc = run(args, nproc=nproc, timeout=1500)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    tb = scalars(out / "tb")
+    weights = {k: v for k, v in read_dist_checkpoint(str(out / "ckpt" / f"iter_{STEPS:07d}")).items()
+               if ".indexer." in k}
+    return dict(tb["indexer loss"]), dict(tb["lm loss"]), weights
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2", "pp2"])
+def test_indexer_loss_per_step_equals_one_rank(pworkdir, pdata, mcore, layout):
+    """The sparse indexer loss of each of 3 SGD steps (TensorBoard 'indexer loss': the mean over the 3 indexers,
+    decoder and MTP) at tp2_sp (heads split, the head sum all-reduced), cp2 (queries split, the row's count of
+    rows) and pp2 (the indexers on two stages) equals the one-rank run's to 1e-5, and so do the LM loss and the
+    trained indexer weights (relative to each tensor's largest entry)."""
+    if "one" not in _ONE_RANK:
+        _ONE_RANK["one"] = _indexer_run(pworkdir, pdata, "one_rank", [], 1)
+    ref_idx, ref_lm, ref_w = _ONE_RANK["one"]
+    nproc, flags, variant = LAYOUTS[layout]
+    assert variant == "moe"
+    idx, lm, w = _indexer_run(pworkdir, pdata, layout, flags, nproc)
+    print(f"\n{layout}: indexer loss {idx} one rank {ref_idx}")
+    assert sorted(idx) == sorted(ref_idx) == list(range(1, STEPS + 1))
+    for step in idx:
+        assert ref_idx[step] > 0
+        assert abs(idx[step] - ref_idx[step]) <= 1e-5 * abs(ref_idx[step]), (step, idx, ref_idx)
+        assert abs(lm[step] - ref_lm[step]) <= 1e-5 * abs(ref_lm[step]), (step, lm, ref_lm)
+    assert w.keys() == ref_w.keys() and len(w) == 3 * 7
+    for k in w:
+        assert (w[k] - ref_w[k]).abs().max() <= 1e-5 * ref_w[k].abs().max(), k
