@@ -240,6 +240,27 @@ def test_dense_warmup_trains_only_the_indexers_and_stops_at_n(trained):
     assert not any(k.startswith("optimizer.") and ".indexer." not in k and "exp_avg" in k for k in full)
 
 
+def test_resume_after_the_warmup_switches_to_the_sparse_stage(trained):
+    """The same command resumed from the warm-up's checkpoint (iteration 3 of 4) is the switch: iteration 4 runs
+    the sparse stage (every weight trains), at the data position (consumed samples 16) and learning rate of a
+    straight run (the schedule resumed), with fresh Adam state for every parameter."""
+    from tests.training_harness import scalars
+
+    tmp, _ = trained
+    proc = _train(tmp, "warmup", ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-warmup", "3", "--load",
+                                  str(tmp / "warmup")])
+    assert "indexer warm-up -> sparse stage at iteration 3" in proc.stdout
+    line = [ln for ln in proc.stdout.splitlines() if " iteration        4/" in ln]
+    assert len(line) == 1 and "consumed samples:           16" in line[0] and "indexer loss:" in line[0], line
+    lr = dict(scalars(tmp / "tb_warmup")["learning-rate"])
+    assert lr[4] == dict(scalars(tmp / "tb_off")["learning-rate"])[4]
+    warm, _ = _weights(tmp, "warmup", 3)
+    sparse, full = _weights(tmp, "warmup", 4)
+    moved = [k for k in sparse if not torch.equal(sparse[k], warm[k])]
+    assert any(".indexer." in k for k in moved) and len([k for k in moved if ".indexer." not in k]) > 50
+    assert any(k.startswith("optimizer.") and ".indexer." not in k for k in full)
+
+
 # ---------------------------------------------------------------------------- the warm-up on a re-initialised indexer
 def _top_pool_recall(seen):
     """Mean over (layer, query with more visible pools than it selects) of the fraction of the true top pools (by

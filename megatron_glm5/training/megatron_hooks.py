@@ -359,6 +359,10 @@ def install() -> None:
 
     if install_schedule_check():
         _INSTALLED.append("resume: a learning-rate schedule unlike the checkpoint's is one line naming the flags")
+    from megatron_glm5.training import indexer_stages
+
+    if indexer_stages.install():
+        _INSTALLED.append("resume: the indexer warm-up's last checkpoint starts the sparse stage (fresh Adam state)")
     if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
         training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
         _INSTALLED.append("optimizer: steps with a NaN/inf gradient norm or updated weight skipped and counted; "

@@ -1,0 +1,64 @@
+"""The switch from the KPool indexers' dense warm-up to the sparse stage (``--dsa-indexer-warmup N``,
+docs/indexer_training.md), as a resume.
+
+The warm-up stage (iterations ``1..N``) trains only the indexers, so its checkpoint (saved at iteration ``N``, where
+the stage ends the run) holds Adam state for the indexers' parameters alone; the sparse stage trains every
+parameter. Resuming at exactly iteration ``N`` is the switch: Megatron-LM's ``load_checkpoint`` restores the
+weights, the RNG states, the iteration and the consumed samples (the data position) as on any resume, and the
+learning-rate scheduler's state is restored from the checkpoint; the optimizer starts with fresh Adam state (step
+0) for every parameter, since megatron-core's optimizers keep one step count for all of their parameters. Every
+other resume is Megatron-LM's own.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["install", "is_stage_switch"]
+
+
+def is_stage_switch(args) -> bool:
+    """Whether this run resumes the warm-up's last checkpoint in the sparse stage (it starts at iteration
+    ``--dsa-indexer-warmup``)."""
+    from megatron_glm5.training.arguments import _start_iteration
+
+    n = getattr(args, "dsa_indexer_warmup", 0) or 0
+    return n > 0 and bool(args.load) and not args.finetune and _start_iteration(args) == n
+
+
+def _switching_load(upstream):
+    def load_checkpoint(model, optimizer, opt_param_scheduler, *a, **kw):
+        from megatron.training import checkpointing, get_args
+        from megatron.training.utils import print_rank_0
+
+        from megatron_glm5.checkpoint.megatron_layout import checkpoint_in
+
+        args = get_args()
+        if optimizer is None or args.no_load_optim or not is_stage_switch(args):
+            return upstream(model, optimizer, opt_param_scheduler, *a, **kw)
+        args.no_load_optim = True
+        try:
+            out = upstream(model, optimizer, opt_param_scheduler, *a, **kw)
+        finally:
+            args.no_load_optim = False
+        if opt_param_scheduler is not None:
+            common = checkpointing.dist_checkpointing.load_common_state_dict(checkpoint_in(args.load))
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+        print_rank_0(f"indexer warm-up -> sparse stage at iteration {args.dsa_indexer_warmup}: weights, RNG, data "
+                     f"position and learning-rate schedule from {os.path.abspath(args.load)}; fresh Adam state for "
+                     "every parameter (the warm-up trained only the indexers)")
+        return out
+
+    load_checkpoint.glm5_indexer_stage_switch = True
+    return load_checkpoint
+
+
+def install() -> bool:
+    """Wrap the ``load_checkpoint`` that ``megatron.training.training`` calls (idempotent); True when installed
+    now."""
+    from megatron.training import training
+
+    if getattr(training.load_checkpoint, "glm5_indexer_stage_switch", False):
+        return False
+    training.load_checkpoint = _switching_load(training.load_checkpoint)
+    return True
