@@ -171,13 +171,16 @@ def _train(tmp, name, extra, iters=4):
 def trained(tmp_path_factory):
     """Runs of the tiny preset from the same initial weights: 'init' (one step at lr 0: the initial weights), 'off'
     (4 steps, indexer loss off, weight decay 0.1), 'sparse' (4 steps with the sparse indexer loss), 'warmup'
-    (--dsa-indexer-warmup 3: the run ends at iteration 3)."""
+    (--dsa-indexer-warmup 3: the run ends at iteration 3), 'recompute' ('sparse' under full recompute)."""
     tmp = tmp_path_factory.mktemp("idx_train")
     procs = {
         "init": _train(tmp, "init", ["--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0"], iters=1),
         "off": _train(tmp, "off", []),
         "sparse": _train(tmp, "sparse", ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-use-sparse-loss"]),
         "warmup": _train(tmp, "warmup", ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-warmup", "3"]),
+        "recompute": _train(tmp, "recompute", ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-use-sparse-loss",
+                                               "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                               "--recompute-num-layers", "1"]),
     }
     return tmp, procs
 
@@ -223,6 +226,52 @@ def test_sparse_stage_trains_the_indexer_and_logs_its_loss(trained):
     assert any(".indexer." in k for k in full if k.startswith("optimizer."))
     others = [k for k in sparse if ".indexer." not in k and not torch.equal(sparse[k], init[k])]
     assert len(others) > 50
+
+
+def test_full_recompute_gives_the_same_indexer_loss_and_weights(trained):
+    """Under full recompute the attention runs twice per step (without autograd, then again in the backward): the
+    indexer loss is recorded once and equals the plain run's, and so do the trained weights, bitwise."""
+    from tests.training_harness import scalars
+
+    tmp, _ = trained
+    assert scalars(tmp / "tb_recompute")["indexer loss"] == scalars(tmp / "tb_sparse")["indexer loss"]
+    a, _ = _weights(tmp, "sparse", 4)
+    b, _ = _weights(tmp, "recompute", 4)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--dsa-indexer-warmup", "5"], "--dsa-indexer-warmup"),                        # needs the loss
+    (["--dsa-indexer-loss-coeff", "1", "--dsa-indexer-warmup", "-1"], "--dsa-indexer-warmup"),
+    (["--dsa-indexer-loss-coeff", "-0.5"], "--dsa-indexer-loss-coeff"),
+    (["--dsa-indexer-loss-coeff", "nan"], "--dsa-indexer-loss-coeff"),
+    (["--dsa-indexer-use-sparse-loss"], "--dsa-indexer-use-sparse-loss"),           # needs the loss
+    (["--dsa-indexer-loss-coeff", "1", "--dsa-indexer-warmup", "5", "--exit-interval", "3"], "--exit-interval"),
+])
+def test_bad_indexer_flags_are_one_line_and_exit_2(capsys, extra, flag):
+    from megatron_glm5.training.arguments import parse_args
+
+    base = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "8",
+            "--lr", "1e-3", "--eval-iters", "0", "--mock-data"]
+    with pytest.raises(SystemExit) as exc:
+        parse_args(base + extra, world_size=1, prog="pretrain_glm5_vlm.py")
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exc.value.code == 2
+    assert len(err) == 1 and err[0].startswith("pretrain_glm5_vlm.py: error:") and flag in err[0], err
+
+
+def test_indexer_flags_reach_the_config():
+    """--dsa-indexer-warmup N makes a run that starts before N the warm-up (its config, --exit-interval N)."""
+    from megatron_glm5.training.arguments import model_config_from_args, parse_args
+
+    base = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "8",
+            "--lr", "1e-3", "--eval-iters", "0", "--mock-data", "--dsa-indexer-loss-coeff", "0.25"]
+    args = parse_args(base + ["--dsa-indexer-warmup", "5"], world_size=1)
+    cfg = model_config_from_args(args, "cpu")
+    assert cfg.dsa_indexer_warmup and cfg.dsa_indexer_loss_coeff == 0.25 and args.exit_interval == 5
+    assert cfg.experimental_attention_variant_loss_scale_func is not None
+    cfg = model_config_from_args(parse_args(base + ["--dsa-indexer-use-sparse-loss"], world_size=1), "cpu")
+    assert not cfg.dsa_indexer_warmup and cfg.dsa_indexer_use_sparse_loss
 
 
 def test_dense_warmup_trains_only_the_indexers_and_stops_at_n(trained):
