@@ -94,6 +94,31 @@ def test_indexer_kl_equals_reference_values_and_gradients(case):
     assert all((grads1[n] - grads[n]).norm() <= 1e-6 * grads[n].norm() for n in grads)
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_padding_rows_have_no_term(sparse):
+    """A context-parallel split's padding is a document of its own at the end of the row (row_length = the
+    unpadded length): the loss of the padded row equals the loss of the row without it (values and counts)."""
+    cfg = _cfg(index_topk=8, index_n_heads=4, dsa_indexer_loss_coeff=1.0)
+    ix = _random_indexer(cfg, seed=5)
+    H, dq, r = 2, 8, 6
+    gen = torch.Generator().manual_seed(3)
+    lens, pad = [17, 9], 10
+    s = sum(lens) + pad
+    x = torch.randn(s, 1, cfg.hidden_size, generator=gen)
+    qr = torch.randn(s, 1, cfg.q_lora_rank, generator=gen)
+    q_lat = torch.randn(1, s, H, r, generator=gen)
+    c = torch.randn(1, s, r, generator=gen)
+    out = []
+    for n, cu in ((s, [0, 17, 26, s]), (26, [0, 17, 26])):
+        psp = make_packed_seq_params(torch.tensor(cu, dtype=torch.int32))
+        with torch.no_grad():
+            idx, f = ix(x[:n], qr[:n], packed_seq_params=psp, return_features=True)
+            out.append(kpool_indexer_kl(f, q_lat[:, :n], c[:, :n], dq ** -0.5, ix.softmax_scale, idx, ix.kpool,
+                                        ix.index_topk, sparse, row_length=26 if n == s else None))
+    (kl_pad, rows_pad), (kl, rows) = out
+    assert int(rows_pad) == int(rows) > 0 and abs(kl_pad - kl) <= 1e-6 * abs(kl)
+
+
 # ---------------------------------------------------------------------------- the model: detach and frozen
 DOCS = (21, 34, 17, 40)
 
@@ -355,9 +380,9 @@ def test_warmup_halves_the_loss_of_a_reinitialised_indexer(mcore, monkeypatch):
     seen = {}
     attach = Glm5DSAttention._attach_indexer_loss
 
-    def spy(self, output, q, kv_lat, topk_indices, feats, coeff):
+    def spy(self, output, q, kv_lat, topk_indices, feats, coeff, row_length=None):
         seen[self.layer_number] = (q.detach(), kv_lat.detach(), feats, self)
-        return attach(self, output, q, kv_lat, topk_indices, feats, coeff)
+        return attach(self, output, q, kv_lat, topk_indices, feats, coeff, row_length)
 
     monkeypatch.setattr(Glm5DSAttention, "_attach_indexer_loss", spy)
     docs = (40, 60, 28)

@@ -62,13 +62,15 @@ class ContextParallelPackedSeqParams(PackedSeqParams):
     ``cu_seqlens_q`` / ``cu_seqlens_kv``: local boundaries ``[0, ..., L]`` of the chunk (int32).
     ``cu_seqlens_global``: boundaries of the whole padded row ``[0, ..., S]`` (int32); ``chunk_offset``: the row
     position of the chunk's first token; ``global_seq_len``: ``S``; ``image_token_offset``: image tokens before the
-    chunk (index of the chunk's first image-feature row).
+    chunk (index of the chunk's first image-feature row); ``row_length``: the row's length before the split's padding
+    (positions from it on are padding; 0: not recorded, read as ``S``).
     """
 
     cu_seqlens_global: torch.Tensor = None
     chunk_offset: int = 0
     global_seq_len: int = 0
     image_token_offset: int = 0
+    row_length: int = 0
 
 
 def cp_group_of(pg_collection=None):

@@ -71,9 +71,16 @@ def _pool_scores_of(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Ten
     return torch.einsum("bch,bchn->bcn", weights.float(), per_head)
 
 
+def _real_rows(feats, a: int, e: int, row_length: Optional[int]) -> torch.Tensor:
+    """``[e - a]`` bool: queries ``[a, e)`` (local) that lie before ``row_length``."""
+    pos = torch.arange(feats.offset + a, feats.offset + e, device=feats.query_doc.device)
+    return pos < (row_length if row_length else feats.global_len)
+
+
 def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scale: float, index_scale: float,
                      topk_indices: Optional[torch.Tensor], kpool: int, index_topk: int, sparse: bool,
-                     tp_group=None, chunk_elements: int = 1 << 24) -> Tuple[torch.Tensor, torch.Tensor]:
+                     tp_group=None, chunk_elements: int = 1 << 24,
+                     row_length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The indexer KL of this rank's queries, chunked over queries.
 
     Args:
@@ -87,6 +94,7 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         sparse: target over the selection (else dense causal, see the module docstring).
         tp_group: the attention's TP group (the head sum is all-reduced over it).
         chunk_elements: bound on the elements of a chunk's per-head score tensor.
+        row_length: queries at row positions from it on (a context-parallel split's padding) have no term.
 
     Returns:
         ``(kl_sum, rows)``: the summed KL (fp32 scalar, differentiable) and the number of queries with a term.
@@ -112,7 +120,7 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
             mass = _tp_sum(probs.sum(2), tp_group)                                  # [b, c, w]
             mass = mass[..., : n_sel * kpool].reshape(b, c, n_sel, kpool).sum(-1)  # [b, c, n_sel]
             sel = feats.selected_pools[:, a:e]
-            valid = sel >= 0
+            valid = (sel >= 0) & _real_rows(feats, a, e, row_length)[None, :, None]
             logits = _pool_scores_of(feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e], sel.clamp(min=0),
                                      index_scale)
             kl, rows = _kl_rows(mass, logits, valid)
@@ -129,6 +137,7 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         mass, valid = dense_pool_mass(feats, q_lat, kv_lat, attn_scale, a, e, lo, hi, tp_group)
         logits = indexer_scores_reference(feats.q[:, a:e], feats.pool_keys[:, lo:hi], feats.weights[:, a:e],
                                           index_scale)
+        valid = valid & _real_rows(feats, a, e, row_length)[:, None]
         kl, rows = _kl_rows(mass, logits, valid[None].expand_as(logits))
         kl_total, rows_total = kl_total + kl, rows_total + rows
     return kl_total, rows_total

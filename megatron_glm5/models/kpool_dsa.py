@@ -369,10 +369,11 @@ class Glm5DSAttention(MegatronModule):
         out = out.reshape(s, b, self.num_heads_local * self.v_head_dim)
         output = linear_output(self.o_proj(out))
         if use_indexer_loss:
-            output = self._attach_indexer_loss(output, q, kv_lat, topk_indices, feats, coeff)
+            output = self._attach_indexer_loss(output, q, kv_lat, topk_indices, feats, coeff,
+                                               getattr(packed_seq_params, "row_length", None))
         return output, topk_indices
 
-    def _attach_indexer_loss(self, output, q, kv_lat, topk_indices, feats, coeff):
+    def _attach_indexer_loss(self, output, q, kv_lat, topk_indices, feats, coeff, row_length=None):
         """The indexer loss of this micro batch (:mod:`megatron_glm5.models.indexer_loss`; target from the detached
         attention tensors), recorded for the 'indexer loss' log line and attached to ``output`` through
         megatron-core's ``DSAIndexerLossAutoScaler`` (its gradient, scaled like the main loss, joins the backward;
@@ -389,7 +390,7 @@ class Glm5DSAttention(MegatronModule):
         sparse = bool(self.config.dsa_indexer_use_sparse_loss) and not self.config.dsa_indexer_warmup
         kl, rows = kpool_indexer_kl(feats, q_lat, kv_lat.detach().transpose(0, 1), self.softmax_scale,
                                     self.indexer.softmax_scale, topk_indices, self.indexer.kpool,
-                                    self.indexer.index_topk, sparse, tp_group=self.tp_group)
+                                    self.indexer.index_topk, sparse, tp_group=self.tp_group, row_length=row_length)
         cp = self.cp_group if get_pg_size(self.cp_group) > 1 else None
         loss = indexer_loss_value(kl, rows, coeff, bool(self.config.calculate_per_token_loss), cp)
         slot, n_slots = indexer_loss_slot(self.config, self.layer_number, getattr(self, "is_mtp_layer", False))
