@@ -89,6 +89,14 @@ def test_indexer_kl_equals_reference_values_and_gradients(case):
         g, rg = grads[n], p.grad
         assert rg is not None and rg.abs().max() > 0, n
         assert (g - rg).norm() <= 1e-6 * rg.norm(), (n, ((g - rg).norm() / rg.norm()).item())
+    if case["sparse"]:  # with the attention's log-sum-exp (what the fused kernel returns): the same loss
+        from megatron_glm5.kernels.sparse_mla import sparse_mla_reference
+
+        _, lse = sparse_mla_reference(q_lat, c, idx, scale, return_lse=True)
+        with torch.no_grad():
+            kl_lse, rows_lse = kpool_indexer_kl(f, q_lat, c, scale, ix.softmax_scale, idx, ix.kpool, ix.index_topk,
+                                                True, lse=lse)
+        assert int(rows_lse) == int(rows) and abs(kl_lse - kl) <= 1e-6 * abs(kl), (kl_lse.item(), kl.item())
     kl1, rows1, grads1, _, _ = ours(1)                               # one query per chunk
     assert int(rows1) == int(rows) and abs(kl1 - kl) <= 1e-6 * abs(kl)
     assert all((grads1[n] - grads[n]).norm() <= 1e-6 * grads[n].norm() for n in grads)
@@ -380,9 +388,9 @@ def test_warmup_halves_the_loss_of_a_reinitialised_indexer(mcore, monkeypatch):
     seen = {}
     attach = Glm5DSAttention._attach_indexer_loss
 
-    def spy(self, output, q, kv_lat, topk_indices, feats, coeff, row_length=None):
+    def spy(self, output, q, kv_lat, topk_indices, feats, coeff, *rest):
         seen[self.layer_number] = (q.detach(), kv_lat.detach(), feats, self)
-        return attach(self, output, q, kv_lat, topk_indices, feats, coeff, row_length)
+        return attach(self, output, q, kv_lat, topk_indices, feats, coeff, *rest)
 
     monkeypatch.setattr(Glm5DSAttention, "_attach_indexer_loss", spy)
     docs = (40, 60, 28)
@@ -506,3 +514,40 @@ def test_indexer_loss_per_step_equals_one_rank(pworkdir, pdata, mcore, layout):
     assert w.keys() == ref_w.keys() and len(w) == 3 * 7
     for k in w:
         assert (w[k] - ref_w[k]).abs().max() <= 1e-5 * ref_w[k].abs().max(), k
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_lse_matches_reference_and_feeds_the_sparse_loss_gpu(dtype):
+    """sparse_mla(return_lse=True): the output is the one without it, the log-sum-exp equals the reference's
+    (fp32 2e-5, bf16 2e-2 absolute), and the sparse indexer loss from it equals the loss from the recomputed softmax."""
+    from megatron_glm5.kernels.sparse_mla import HAVE_TRITON, sparse_mla, sparse_mla_reference
+
+    if not HAVE_TRITON:
+        pytest.skip("needs triton")
+    cfg = _cfg(index_topk=8, index_n_heads=4, dsa_indexer_loss_coeff=1.0)
+    ix = _random_indexer(cfg, seed=11).cuda()
+    lens = [3, 4, 17, 9, 30]
+    s = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    psp = make_packed_seq_params(cu)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    H, R = 4, 32
+    x = torch.randn(s, 1, cfg.hidden_size, device="cuda", generator=gen)
+    qr = torch.randn(s, 1, cfg.q_lora_rank, device="cuda", generator=gen)
+    q_lat = torch.randn(1, s, H, R, device="cuda", generator=gen, dtype=dtype)
+    c = torch.randn(1, s, R, device="cuda", generator=gen, dtype=dtype)
+    scale = R ** -0.5
+    with torch.no_grad():
+        idx, f = ix(x, qr, packed_seq_params=psp, return_features=True)
+        o, lse = sparse_mla(q_lat, c, idx, scale, return_lse=True)
+        assert torch.equal(o, sparse_mla(q_lat, c, idx, scale))
+        _, ref_lse = sparse_mla_reference(q_lat, c, idx, scale, return_lse=True)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(lse, ref_lse, atol=tol, rtol=0), (lse - ref_lse).abs().max()
+        kl, rows = kpool_indexer_kl(f, q_lat, c, scale, ix.softmax_scale, idx, ix.kpool, ix.index_topk, True)
+        kl_lse, rows_lse = kpool_indexer_kl(f, q_lat, c, scale, ix.softmax_scale, idx, ix.kpool, ix.index_topk,
+                                            True, lse=lse)
+    assert int(rows) == int(rows_lse) > 0
+    assert abs(kl_lse - kl) <= (1e-5 if dtype == torch.float32 else 2e-2) * abs(kl), (kl_lse.item(), kl.item())

@@ -80,7 +80,8 @@ def _real_rows(feats, a: int, e: int, row_length: Optional[int]) -> torch.Tensor
 def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scale: float, index_scale: float,
                      topk_indices: Optional[torch.Tensor], kpool: int, index_topk: int, sparse: bool,
                      tp_group=None, chunk_elements: int = 1 << 24,
-                     row_length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                     row_length: Optional[int] = None,
+                     lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The indexer KL of this rank's queries, chunked over queries.
 
     Args:
@@ -95,6 +96,9 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         tp_group: the attention's TP group (the head sum is all-reduced over it).
         chunk_elements: bound on the elements of a chunk's per-head score tensor.
         row_length: queries at row positions from it on (a context-parallel split's padding) have no term.
+        lse: ``[b, s, Hl]`` the sparse attention's log-sum-exp over the selection (``sparse_mla(...,
+            return_lse=True)``, ``sparse`` only): the probabilities are ``exp(score - lse)`` instead of a softmax
+            over the recomputed scores.
 
     Returns:
         ``(kl_sum, rows)``: the summed KL (fp32 scalar, differentiable) and the number of queries with a term.
@@ -116,7 +120,10 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
             kv_sel = torch.gather(kv_lat, 1, idx.clamp(min=0).reshape(b, c * width, 1)
                                   .expand(-1, -1, kv_lat.shape[-1])).view(b, c, width, -1)
             scores = torch.einsum("bchr,bcwr->bchw", q_lat[:, a:e].float(), kv_sel.float()) * attn_scale
-            probs = dsa_masking.masked_softmax(scores, tok_valid[:, :, None].expand_as(scores))
+            if lse is None:
+                probs = dsa_masking.masked_softmax(scores, tok_valid[:, :, None].expand_as(scores))
+            else:
+                probs = torch.exp(scores - lse[:, a:e, :, None].float()).masked_fill(~tok_valid[:, :, None], 0.0)
             mass = _tp_sum(probs.sum(2), tp_group)                                  # [b, c, w]
             mass = mass[..., : n_sel * kpool].reshape(b, c, n_sel, kpool).sum(-1)  # [b, c, n_sel]
             sel = feats.selected_pools[:, a:e]

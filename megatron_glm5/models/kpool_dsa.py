@@ -301,10 +301,11 @@ class Glm5DSAttention(MegatronModule):
                                     self.softmax_scale, query_chunk=self.sparse_query_chunk)
         return out.transpose(0, 1)
 
-    def _attention_fused(self, q, kv_lat, topk_indices):
+    def _attention_fused(self, q, kv_lat, topk_indices, return_lse: bool = False):
         """'fused' backend: :meth:`_attention_sparse`'s absorbed form with the Triton sparse MLA kernel. Same
         shapes. The indexer's tail slots (the last ``kpool - 1``) are moved to the front so that every row's valid
-        slots end early and the kernel skips the unused pool slots of short contexts."""
+        slots end early and the kernel skips the unused pool slots of short contexts. ``return_lse``: also the
+        kernel's log-sum-exp ``[b, s, Hl]`` (for the sparse indexer loss)."""
         from megatron_glm5.kernels.sparse_mla import sparse_mla
 
         w_kc, w_vc = self.absorbed_weights()
@@ -314,7 +315,10 @@ class Glm5DSAttention(MegatronModule):
         if topk_indices.shape[-1] > topk:
             topk_indices = torch.cat([topk_indices[..., topk:], topk_indices[..., :topk]], dim=-1)
         q_lat = torch.einsum("sbhd,hdr->bshr", q, w_kc)                               # [b, s, H, r]
-        o_lat = sparse_mla(q_lat, kv_lat.transpose(0, 1), topk_indices, self.softmax_scale)
+        o_lat = sparse_mla(q_lat, kv_lat.transpose(0, 1), topk_indices, self.softmax_scale, return_lse=return_lse)
+        if return_lse:
+            o_lat, lse = o_lat
+            return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc), lse
         return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc)                           # [s, b, H, dv]
 
     # ------------------------------------------------------------------ forward
@@ -356,8 +360,11 @@ class Glm5DSAttention(MegatronModule):
                                  f"layer's topk indices as shared_topk_indices")
             topk_indices = shared_topk_indices
 
+        lse = None
         if self.config.dsa_indexer_warmup:
             out = self._attention_dense(q, kv_lat, packed_seq_params)
+        elif self.backend == "fused" and use_indexer_loss and self.config.dsa_indexer_use_sparse_loss:
+            out, lse = self._attention_fused(q, kv_lat, topk_indices, return_lse=True)
         elif self.backend == "fused":
             out = self._attention_fused(q, kv_lat, topk_indices)
         elif self.backend == "sparse":
@@ -370,14 +377,15 @@ class Glm5DSAttention(MegatronModule):
         output = linear_output(self.o_proj(out))
         if use_indexer_loss:
             output = self._attach_indexer_loss(output, q, kv_lat, topk_indices, feats, coeff,
-                                               getattr(packed_seq_params, "row_length", None))
+                                               getattr(packed_seq_params, "row_length", None), lse)
         return output, topk_indices
 
-    def _attach_indexer_loss(self, output, q, kv_lat, topk_indices, feats, coeff, row_length=None):
+    def _attach_indexer_loss(self, output, q, kv_lat, topk_indices, feats, coeff, row_length=None, lse=None):
         """The indexer loss of this micro batch (:mod:`megatron_glm5.models.indexer_loss`; target from the detached
         attention tensors), recorded for the 'indexer loss' log line and attached to ``output`` through
         megatron-core's ``DSAIndexerLossAutoScaler`` (its gradient, scaled like the main loss, joins the backward;
-        the output and its gradient pass unchanged)."""
+        the output and its gradient pass unchanged). ``lse``: the fused kernel's log-sum-exp of the sparse
+        attention (the sparse target then reuses it)."""
         from megatron.core.transformer.experimental_attention_variant.dsa import (
             DSAIndexerLossAutoScaler,
             DSAIndexerLossLoggingHelper,
@@ -390,7 +398,8 @@ class Glm5DSAttention(MegatronModule):
         sparse = bool(self.config.dsa_indexer_use_sparse_loss) and not self.config.dsa_indexer_warmup
         kl, rows = kpool_indexer_kl(feats, q_lat, kv_lat.detach().transpose(0, 1), self.softmax_scale,
                                     self.indexer.softmax_scale, topk_indices, self.indexer.kpool,
-                                    self.indexer.index_topk, sparse, tp_group=self.tp_group, row_length=row_length)
+                                    self.indexer.index_topk, sparse, tp_group=self.tp_group, row_length=row_length,
+                                    lse=lse if sparse else None)
         cp = self.cp_group if get_pg_size(self.cp_group) > 1 else None
         loss = indexer_loss_value(kl, rows, coeff, bool(self.config.calculate_per_token_loss), cp)
         slot, n_slots = indexer_loss_slot(self.config, self.layer_number, getattr(self, "is_mtp_layer", False))
