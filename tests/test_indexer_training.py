@@ -343,6 +343,25 @@ def test_resume_after_the_warmup_switches_to_the_sparse_stage(trained):
     assert any(k.startswith("optimizer.") and ".indexer." not in k for k in full)
 
 
+def test_resume_that_changes_what_the_optimizer_trains_is_one_line(trained):
+    """Resuming the loss-off checkpoint with the indexer loss on (its optimizer state has nothing for the indexers)
+    is one line naming --dsa-indexer-loss-coeff and --no-load-optim, exit 2, before any work; the checkpoint is
+    untouched."""
+    import hashlib
+
+    from tests.training_harness import TINY, error_lines, run
+
+    tmp, _ = trained
+    files = sorted(p for p in (tmp / "off").rglob("*") if p.is_file())
+    before = [hashlib.sha256(p.read_bytes()).hexdigest() for p in files]
+    proc = run(TINY + ["--mock-data", "--train-iters", "6", "--weight-decay", "0.1", "--save", str(tmp / "off"),
+                       "--save-interval", "100", "--load", str(tmp / "off"), "--dsa-indexer-loss-coeff", "1.0"])
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, lines)
+    assert "--dsa-indexer-loss-coeff" in lines[0] and "--no-load-optim" in lines[0] and "Traceback" not in proc.stderr
+    assert [hashlib.sha256(p.read_bytes()).hexdigest() for p in files] == before
+
+
 # ---------------------------------------------------------------------------- the warm-up on a re-initialised indexer
 def _top_pool_recall(seen):
     """Mean over (layer, query with more visible pools than it selects) of the fraction of the true top pools (by

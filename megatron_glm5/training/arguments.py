@@ -447,8 +447,8 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
     from megatron_glm5.training.save_guard import check_save_target, existing_folder  # --save loses nothing
 
     check_save_target(args)  # before the --load checks: a --save that would lose data is named first
+    _check_indexer_training(args)  # the stage this run is in, which the --load checks read
     _check_checkpoints(args, hf)
-    _check_indexer_training(args)
     for flag in ("--tensorboard-dir", "--wandb-save-dir", "--data-cache-path"):  # folders Megatron-LM creates
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if path:
@@ -463,13 +463,16 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
 def _start_iteration(args: argparse.Namespace) -> int:
     """The iteration this run starts after: --ckpt-step, else the iteration --load's tracker names (0 without one,
     for 'release' and with --finetune)."""
-    from megatron_glm5.checkpoint.megatron_layout import read_tracker
+    from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, read_tracker
 
     if args.finetune or not args.load or not os.path.isdir(args.load):
         return 0
     if getattr(args, "ckpt_step", None) is not None:
         return int(args.ckpt_step)
-    name = read_tracker(args.load)
+    try:
+        name = read_tracker(args.load)
+    except CheckpointDirError:  # the --load checks name it
+        return 0
     return int(name[len("iter_"):]) if name and name.startswith("iter_") else 0
 
 

@@ -13,8 +13,9 @@ other resume is Megatron-LM's own.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
-__all__ = ["install", "is_stage_switch"]
+__all__ = ["install", "is_stage_switch", "optimizer_state_refusal"]
 
 
 def is_stage_switch(args) -> bool:
@@ -24,6 +25,28 @@ def is_stage_switch(args) -> bool:
 
     n = getattr(args, "dsa_indexer_warmup", 0) or 0
     return n > 0 and bool(args.load) and not args.finetune and _start_iteration(args) == n
+
+
+def optimizer_state_refusal(ckpt_dir: str, saved: dict, args) -> Optional[str]:
+    """Why this run cannot load the optimizer state of ``ckpt_dir`` (saved by a run with the arguments ``saved``)
+    for the parameters it trains, or None: the indexers train (``--dsa-indexer-loss-coeff`` > 0) in one run and not
+    in the other, or the saved run was not the warm-up and this one is. Resuming the warm-up's last checkpoint in the
+    sparse stage is the switch (:func:`is_stage_switch`), not a refusal. Checkpoints that do not record it pass."""
+    if "dsa_indexer_loss_coeff" not in saved or is_stage_switch(args):
+        return None
+    trained_was, trained_now = (saved["dsa_indexer_loss_coeff"] or 0) > 0, (args.dsa_indexer_loss_coeff or 0) > 0
+    if trained_was != trained_now:
+        return (f"--dsa-indexer-loss-coeff: {ckpt_dir} was saved with the indexer loss "
+                f"{'on' if trained_was else 'off'} (its optimizer state {'holds' if trained_was else 'has no'} "
+                f"state for the indexers): resume with it {'on' if trained_was else 'off'}, or leave the optimizer "
+                "state out (--no-load-optim)")
+    warm_was, warm_now = bool(saved.get("dsa_indexer_warmup_stage")), bool(getattr(args, "dsa_indexer_warmup_stage",
+                                                                                    False))
+    if warm_now and not warm_was:
+        return (f"--dsa-indexer-warmup: {ckpt_dir} was saved outside the indexer warm-up (its optimizer state covers "
+                "every parameter; the warm-up trains only the indexers): leave the optimizer state out "
+                "(--no-load-optim) or --dsa-indexer-warmup out")
+    return None
 
 
 def _switching_load(upstream):
