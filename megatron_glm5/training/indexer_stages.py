@@ -34,7 +34,8 @@ def optimizer_state_refusal(ckpt_dir: str, saved: dict, args) -> Optional[str]:
     sparse stage is the switch (:func:`is_stage_switch`), not a refusal. Checkpoints that do not record it pass."""
     if "dsa_indexer_loss_coeff" not in saved or is_stage_switch(args):
         return None
-    trained_was, trained_now = (saved["dsa_indexer_loss_coeff"] or 0) > 0, (args.dsa_indexer_loss_coeff or 0) > 0
+    trained_was = (saved["dsa_indexer_loss_coeff"] or 0) > 0
+    trained_now = (getattr(args, "dsa_indexer_loss_coeff", None) or 0) > 0
     if trained_was != trained_now:
         return (f"--dsa-indexer-loss-coeff: {ckpt_dir} was saved with the indexer loss "
                 f"{'on' if trained_was else 'off'} (its optimizer state {'holds' if trained_was else 'has no'} "
