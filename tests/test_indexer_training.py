@@ -496,14 +496,14 @@ def _peaked_checkpoint(workdir):
     return root, root / "ckpt"
 
 
-def _indexer_run(workdir, data, name, flags, nproc):
+def _indexer_run(workdir, data, name, flags, nproc, loss_flags=INDEXER_LOSS):
     from tests.training_harness import read_dist_checkpoint, run, scalars
 
     hf, init = _peaked_checkpoint(workdir)
     out = workdir / f"idx_{name}"
     args = _common(hf, data, "sgd") + ["--pretrained-checkpoint", str(init), "--save", str(out / "ckpt"),
                                        "--save-interval", "100", "--no-save-optim", "--tensorboard-dir",
-                                       str(out / "tb")] + INDEXER_LOSS + list(flags)
+                                       str(out / "tb")] + list(loss_flags) + list(flags)
     proc = run(args, nproc=nproc, timeout=1500)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     tb = scalars(out / "tb")
@@ -512,19 +512,25 @@ def _indexer_run(workdir, data, name, flags, nproc):
     return dict(tb["indexer loss"]), dict(tb["lm loss"]), weights
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2", "pp2"])
-def test_indexer_loss_per_step_equals_one_rank(pworkdir, pdata, mcore, layout):
+WARMUP = ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-warmup", str(STEPS)]
+
+
+@pytest.mark.parametrize("layout, stage", [("tp2_sp", "sparse"), ("cp2", "sparse"), ("pp2", "sparse"),
+                                           ("cp2", "warmup")])
+def test_indexer_loss_per_step_equals_one_rank(pworkdir, pdata, mcore, layout, stage):
     """The sparse indexer loss of each of 3 SGD steps (TensorBoard 'indexer loss': the mean over the 3 indexers,
     decoder and MTP) at tp2_sp (heads split, the head sum all-reduced), cp2 (queries split, the row's count of
     rows) and pp2 (the indexers on two stages) equals the one-rank run's to 1e-5, and so do the LM loss and the
-    trained indexer weights (relative to each tensor's largest entry)."""
-    if "one" not in _ONE_RANK:
-        _ONE_RANK["one"] = _indexer_run(pworkdir, pdata, "one_rank", [], 1)
-    ref_idx, ref_lm, ref_w = _ONE_RANK["one"]
+    trained indexer weights (relative to each tensor's largest entry); the warm-up (dense attention and target)
+    at cp2 too."""
+    loss_flags = WARMUP if stage == "warmup" else INDEXER_LOSS
+    if stage not in _ONE_RANK:
+        _ONE_RANK[stage] = _indexer_run(pworkdir, pdata, f"one_rank_{stage}", [], 1, loss_flags)
+    ref_idx, ref_lm, ref_w = _ONE_RANK[stage]
     nproc, flags, variant = LAYOUTS[layout]
     assert variant == "moe"
-    idx, lm, w = _indexer_run(pworkdir, pdata, layout, flags, nproc)
-    print(f"\n{layout}: indexer loss {idx} one rank {ref_idx}")
+    idx, lm, w = _indexer_run(pworkdir, pdata, f"{layout}_{stage}", flags, nproc, loss_flags)
+    print(f"\n{layout} ({stage}): indexer loss {idx} one rank {ref_idx}")
     assert sorted(idx) == sorted(ref_idx) == list(range(1, STEPS + 1))
     for step in idx:
         assert ref_idx[step] > 0
