@@ -280,6 +280,8 @@ def test_full_recompute_gives_the_same_indexer_loss_and_weights(trained):
     (["--dsa-indexer-loss-coeff", "nan"], "--dsa-indexer-loss-coeff"),
     (["--dsa-indexer-use-sparse-loss"], "--dsa-indexer-use-sparse-loss"),           # needs the loss
     (["--dsa-indexer-loss-coeff", "1", "--dsa-indexer-warmup", "5", "--exit-interval", "3"], "--exit-interval"),
+    (["--dsa-indexer-loss-coeff", "1", "--dsa-indexer-warmup", "5", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "1"], "--dsa-indexer-warmup"),           # stage 0: one KDA layer
 ])
 def test_bad_indexer_flags_are_one_line_and_exit_2(capsys, extra, flag):
     from megatron_glm5.training.arguments import parse_args
@@ -287,10 +289,21 @@ def test_bad_indexer_flags_are_one_line_and_exit_2(capsys, extra, flag):
     base = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "8",
             "--lr", "1e-3", "--eval-iters", "0", "--mock-data"]
     with pytest.raises(SystemExit) as exc:
-        parse_args(base + extra, world_size=1, prog="pretrain_glm5_vlm.py")
+        parse_args(base + extra, world_size=2, prog="pretrain_glm5_vlm.py")
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert exc.value.code == 2
     assert len(err) == 1 and err[0].startswith("pretrain_glm5_vlm.py: error:") and flag in err[0], err
+
+
+def test_warmup_with_an_indexer_on_every_stage_passes():
+    """pp2 with a DSA layer on each stage (layers 1-2 | 3-4 + MTP): the warm-up's layout check passes."""
+    from megatron_glm5.training.arguments import parse_args
+
+    args = parse_args(["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2",
+                       "--train-iters", "8", "--lr", "1e-3", "--eval-iters", "0", "--mock-data",
+                       "--dsa-indexer-loss-coeff", "1", "--dsa-indexer-warmup", "5",
+                       "--pipeline-model-parallel-size", "2"], world_size=2)
+    assert args.dsa_indexer_warmup_stage
 
 
 def test_indexer_flags_reach_the_config():

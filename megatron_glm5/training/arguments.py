@@ -498,6 +498,25 @@ def _check_indexer_training(args: argparse.Namespace) -> None:
             args.exit_interval = args.dsa_indexer_warmup
 
 
+def _check_warmup_stages(args: argparse.Namespace, config) -> None:
+    """The warm-up trains only the indexers: every (virtual) pipeline stage must hold one, else its output needs no
+    gradient and its optimizer has nothing to step (the pipeline would wait on it)."""
+    if not getattr(args, "dsa_indexer_warmup_stage", False) or config.pipeline_model_parallel_size == 1:
+        return
+    from megatron_glm5.config import INDEXED_ATTENTION
+    from megatron_glm5.models.parallel_layout import mtp_on_stage, stage_layer_ranges
+
+    mtp_dsa = (config.hf_text_config.get("mtp_layer_types") or [INDEXED_ATTENTION])[0] == INDEXED_ATTENTION
+    for (rank, vp), layers in sorted(stage_layer_ranges(config).items()):
+        has = any(config.layer_types[i] == INDEXED_ATTENTION and config.indexer_types[i] == "full" for i in layers)
+        vp_stage = vp if config.virtual_pipeline_model_parallel_size else None
+        has = has or (mtp_dsa and mtp_on_stage(config, rank, vp_stage))
+        where = f"pipeline stage {rank}" + (f" (virtual stage {vp})" if vp_stage is not None else "")
+        _require(has, "--dsa-indexer-warmup", f"{where} holds no DSA layer with an indexer (decoder layers "
+                 f"{layers.start + 1}-{layers.stop}): the warm-up trains only the indexers, so every stage needs one; "
+                 "move the stage boundaries (--decoder-first-pipeline-num-layers, --pipeline-model-parallel-layout)")
+
+
 def _is_number(s: str) -> bool:
     try:
         float(s)
@@ -663,9 +682,10 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
         validate_glm5_args(args, arch, hf, argv)
         args.hf_config_dict = hf
         try:  # the parallel layout against the model (heads, experts, layers per stage)
-            model_config_from_args(args, "cpu")
+            model_config = model_config_from_args(args, "cpu")
         except (ValueError, TypeError, AssertionError) as e:
             raise ArgumentError("model config", _flag_names(one_line(e))) from None
+        _check_warmup_stages(args, model_config)
         with contextlib.redirect_stdout(megatron_noise):
             validate_args(args, defaults)
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
