@@ -338,19 +338,25 @@ def test_dense_warmup_trains_only_the_indexers_and_stops_at_n(trained):
 def test_resume_after_the_warmup_switches_to_the_sparse_stage(trained):
     """The same command resumed from the warm-up's checkpoint (iteration 3 of 4) is the switch: iteration 4 runs
     the sparse stage (every weight trains), at the data position (consumed samples 16) and learning rate of a
-    straight run (the schedule resumed), with fresh Adam state for every parameter."""
+    straight run (the schedule resumed), the indexers' Adam moments carried (their second moments after the step
+    are at least beta2 times the warm-up's: fresh ones would be (1 - beta2) g^2) and every other parameter's
+    fresh."""
     from tests.training_harness import scalars
 
     tmp, _ = trained
     proc = _train(tmp, "warmup", ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-warmup", "3", "--load",
                                   str(tmp / "warmup")])
     assert "indexer warm-up -> sparse stage at iteration 3" in proc.stdout
+    assert "the indexers' Adam moments (42 tensors) carried" in proc.stdout          # 21 tensors x 2 moments
     line = [ln for ln in proc.stdout.splitlines() if " iteration        4/" in ln]
     assert len(line) == 1 and "consumed samples:           16" in line[0] and "indexer loss:" in line[0], line
     lr = dict(scalars(tmp / "tb_warmup")["learning-rate"])
     assert lr[4] == dict(scalars(tmp / "tb_off")["learning-rate"])[4]
-    warm, _ = _weights(tmp, "warmup", 3)
+    warm, warm_full = _weights(tmp, "warmup", 3)
     sparse, full = _weights(tmp, "warmup", 4)
+    v3 = {k: v for k, v in warm_full.items() if k.startswith("optimizer.state.exp_avg_sq.")}
+    assert len(v3) == 21 and all(".indexer." in k for k in v3)
+    assert all((full[k] >= 0.999 * v3[k]).all() and (v3[k] > 0).any() for k in v3)
     moved = [k for k in sparse if not torch.equal(sparse[k], warm[k])]
     assert any(".indexer." in k for k in moved) and len([k for k in moved if ".indexer." not in k]) > 50
     assert any(k.startswith("optimizer.") and ".indexer." not in k for k in full)

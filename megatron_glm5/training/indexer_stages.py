@@ -5,9 +5,11 @@ The warm-up stage (iterations ``1..N``) trains only the indexers, so its checkpo
 the stage ends the run) holds Adam state for the indexers' parameters alone; the sparse stage trains every
 parameter. Resuming at exactly iteration ``N`` is the switch: Megatron-LM's ``load_checkpoint`` restores the
 weights, the RNG states, the iteration and the consumed samples (the data position) as on any resume, and the
-learning-rate scheduler's state is restored from the checkpoint; the optimizer starts with fresh Adam state (step
-0) for every parameter, since megatron-core's optimizers keep one step count for all of their parameters. Every
-other resume is Megatron-LM's own.
+learning-rate scheduler's state is restored from the checkpoint; the indexers' Adam moments are loaded from it and
+every other parameter's start at zero, with the one step count megatron-core's optimizers keep for all of their
+parameters restarted at 0 (bias correction right for the fresh moments; the indexers' first updates are smaller
+than their warm-up ones). With megatron-core's distributed optimizer (its checkpoint format is per buffer, not per
+parameter) every parameter starts fresh. Every other resume is Megatron-LM's own.
 """
 
 from __future__ import annotations
@@ -65,16 +67,65 @@ def _switching_load(upstream):
             out = upstream(model, optimizer, opt_param_scheduler, *a, **kw)
         finally:
             args.no_load_optim = False
+        ckpt_dir = checkpoint_in(args.load)
         if opt_param_scheduler is not None:
-            common = checkpointing.dist_checkpointing.load_common_state_dict(checkpoint_in(args.load))
+            common = checkpointing.dist_checkpointing.load_common_state_dict(ckpt_dir)
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+        carried = _load_indexer_moments(model, optimizer, ckpt_dir, args)
+        moments = (f"the indexers' Adam moments ({carried} tensors) carried, every other parameter's fresh, one step "
+                   "count restarted at 0" if carried else "fresh Adam state for every parameter")
         print_rank_0(f"indexer warm-up -> sparse stage at iteration {args.dsa_indexer_warmup}: weights, RNG, data "
-                     f"position and learning-rate schedule from {os.path.abspath(args.load)}; fresh Adam state for "
-                     "every parameter (the warm-up trained only the indexers)")
+                     f"position and learning-rate schedule from {os.path.abspath(args.load)}; {moments}")
         return out
 
     load_checkpoint.glm5_indexer_stage_switch = True
     return load_checkpoint
+
+
+def _torch_optimizers(optimizer):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            yield opt, inner
+
+
+def _load_indexer_moments(model, optimizer, ckpt_dir: str, args) -> int:
+    """The warm-up checkpoint's Adam state of the indexers' parameters, loaded into this run's optimizer (whose
+    other parameters keep the zero state megatron-core's ``init_state_fn`` gives); every parameter's step count
+    set to 0 (megatron-core's optimizers keep one for all). Returns how many state tensors were loaded (all ranks
+    agree); 0 (nothing changed) with megatron-core's distributed optimizer, whose checkpoint format is per buffer."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.training.checkpointing import _build_sharded_state_dict_metadata
+
+    subs = list(_torch_optimizers(optimizer))
+    if not subs or any(isinstance(opt, DistributedOptimizer) for opt, _ in subs):
+        return 0
+    metadata = _build_sharded_state_dict_metadata(args)
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(model if isinstance(model, (list, tuple)) else [model])
+    model_sd = {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(chunks)}
+    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)   # zero state for all
+    wanted = {}
+    for value in nested_values(opt_sd):
+        if isinstance(value, ShardedTensor) and ".indexer." in value.key and value.key.startswith("optimizer."):
+            wanted[value.key] = value
+    loaded = dist_checkpointing.load(dict(wanted), ckpt_dir) if wanted else {}
+    for key, sh in wanted.items():
+        if loaded[key] is not sh.data:
+            sh.data.copy_(loaded[key])
+    for _, inner in subs:
+        for group in inner.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                state = inner.state[p]
+                if state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+    return len(wanted)
 
 
 def install() -> bool:
