@@ -35,6 +35,11 @@ input ``[s/tp, b, h]`` is all-gathered once on entry (the indexer and the latent
 layer then runs as under plain TP (its replicated parts see identical gradients on every TP rank, so the gather's
 backward only takes this rank's slice), and ``o_proj`` reduce-scatters the output back to ``[s/tp, b, h]``.
 
+Indexer training (``docs/indexer_training.md``): with ``config.dsa_indexer_loss_coeff`` > 0 (in training, autograd
+on) the indexer reads detached inputs and its KL loss (:mod:`megatron_glm5.models.indexer_loss`) joins the backward
+at this layer's output through megatron-core's ``DSAIndexerLossAutoScaler``; with ``config.dsa_indexer_warmup`` the
+attention is dense over every causal position of the query's document (the warm-up stage).
+
 Context parallelism (a contiguous chunk of a packed row per CP rank, :mod:`megatron_glm5.models.context_parallel`):
 queries are this rank's tokens; the KV latents ``c`` (``r`` values per token) are all-gathered over the CP group
 (backward: reduce-scatter), the indexer selects row positions of the whole row, and both backends attend over the
