@@ -176,6 +176,12 @@ class Glm5Config(MLATransformerConfig):
     """Tokens per pool. The released checkpoint uses 4 (the HF class default is 16): always read it from the file."""
     index_kpool_always_select_tail: bool = True
     """Whether the query's own incomplete pool (up to and including the query) is always attended."""
+    dsa_indexer_warmup: bool = False
+    """The indexer's dense warm-up stage (DeepSeek-V3.2): the DSA layers attend densely to every causal position of
+    the query's document, every parameter but the indexers' is frozen, and only the indexer loss
+    (``dsa_indexer_loss_coeff`` > 0, megatron-core's field, as is ``dsa_indexer_use_sparse_loss``) trains; the MoE
+    expert-bias update is off (``moe_router_bias_update_rate = 0``). Off: the
+    sparse stage (top-k attention; the indexer loss, when on, next to the LM loss)."""
     dsa_backend: str = "torch"
     """'torch' (masked dense reference, quadratic), 'sparse' (gathers only the selected positions) or 'fused' (the
     Triton sparse absorbed-MLA kernel, forward and backward: the GPU fast path)."""
@@ -235,6 +241,13 @@ class Glm5Config(MLATransformerConfig):
 
     def __post_init__(self):
         self.validate_glm()
+        if (self.dsa_indexer_loss_coeff or 0) > 0 and self.experimental_attention_variant_loss_scale_func is None:
+            # the schedules hand the main loss's backward scale to the indexer loss (megatron-core's DSA hook)
+            from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+            self.experimental_attention_variant_loss_scale_func = DSAIndexerLossAutoScaler.set_loss_scale
+        if self.dsa_indexer_warmup:
+            self.moe_router_bias_update_rate = 0.0   # the warm-up moves nothing but the indexers
         if self.activation_func_clamp_value is None:
             self.activation_func_clamp_value = self.swiglu_limit
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
@@ -301,6 +314,10 @@ class Glm5Config(MLATransformerConfig):
                 need(self.num_moe_experts % groups == 0, "n_group", "must divide n_routed_experts")
                 need(self.moe_router_topk // self.moe_router_group_topk == 2, "topk_group",
                      "group-limited routing is only equal to HF when num_experts_per_tok / topk_group == 2")
+        coeff = self.dsa_indexer_loss_coeff
+        need(coeff is None or coeff >= 0, "dsa_indexer_loss_coeff", f"must not be negative, got {coeff}")
+        need(not self.dsa_indexer_warmup or (coeff or 0) > 0, "dsa_indexer_warmup",
+             "needs dsa_indexer_loss_coeff > 0 (the warm-up trains only the indexer loss)")
         if self.mtp_num_layers:
             need(self.mtp_num_layers == 1, "num_nextn_predict_layers", "only one MTP layer is supported")
         if self.recompute_granularity == "selective":

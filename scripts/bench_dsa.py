@@ -5,7 +5,8 @@
         [--tiny]
 
 Prints ms per fwd+bwd and peak memory for each backend and length; a backend that runs out of memory is reported
-as OOM. The indexer runs as in training (no gradient).
+as OOM. The indexer runs as in training: frozen, or with ``--indexer-loss sparse|dense`` trained by its loss, whose
+share of the layer's time is printed.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def main(argv=None) -> int:
                    help="longest length per backend (the dense reference is quadratic)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke run)")
+    p.add_argument("--indexer-loss", choices=("off", "sparse", "dense"), default="off",
+                   help="train the indexer by its loss (--dsa-indexer-loss-coeff 1, sparse or dense target) and print "
+                        "the loss's share of the layer's fwd+bwd time (the same layer timed with the loss off)")
     p.add_argument("--indexer-tiles", default="", help="also time the indexer's scores kernel at these tilings: "
                    "BMxBNxWARPS[b],... (b: bf16x3 products; e.g. 32x64x8,64x64x8b)")
     a = p.parse_args(argv)
@@ -83,7 +87,9 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     max_seq = {k: int(v) for k, v in (item.split("=") for item in filter(None, a.max_seq.split(",")))}
     for backend in a.backends.split(","):
-        cfg = Glm5Config.from_hf(hf, dsa_backend=backend, params_dtype=dtype, use_cpu_initialization=True)
+        loss = {} if a.indexer_loss == "off" else dict(dsa_indexer_loss_coeff=1.0,
+                                                        dsa_indexer_use_sparse_loss=a.indexer_loss == "sparse")
+        cfg = Glm5Config.from_hf(hf, dsa_backend=backend, params_dtype=dtype, use_cpu_initialization=True, **loss)
         spec = get_dsa_module_spec()
         layer = Glm5DSAttention(cfg, spec.submodules, layer_number=4).to(dev)
         for s in [int(x) for x in a.seqs.split(",")]:
@@ -94,27 +100,16 @@ def main(argv=None) -> int:
             try:
                 if dev == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                times = []
-                for i in range(a.iters + 1):
-                    if dev == "cuda":
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                    else:
-                        import time
-
-                        t0 = time.perf_counter()
-                    out, _ = layer(x, packed_seq_params=psp)
-                    out.float().square().mean().backward()
-                    if dev == "cuda":
-                        end.record()
-                        torch.cuda.synchronize()
-                        ms = start.elapsed_time(end)
-                    else:
-                        ms = (time.perf_counter() - t0) * 1e3
-                    if i:
-                        times.append(ms)
+                times = _time_layer(layer, x, psp, a.iters, dev)
                 peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else float("nan")
                 print(f"dsa backend={backend:6s} seq={s:6d}: fwd+bwd {min(times):8.1f} ms  peak {peak:6.1f} GiB")
+                if a.indexer_loss != "off":
+                    cfg.dsa_indexer_loss_coeff = 0.0                       # the same layer, loss off
+                    without = min(_time_layer(layer, x, psp, a.iters, dev))
+                    cfg.dsa_indexer_loss_coeff = 1.0
+                    share = (min(times) - without) / min(times)
+                    print(f"    indexer loss ({a.indexer_loss}) share of the layer's fwd+bwd: {100 * share:5.1f} % "
+                          f"({min(times):.1f} ms with, {without:.1f} ms without; target <= 15 %)")
                 if dev == "cuda" and getattr(layer, "indexer", None) is not None:
                     _time_indexer(layer.indexer, x, psp, cfg, s, a.iters, a.indexer_tiles)
             except torch.OutOfMemoryError:
@@ -124,6 +119,31 @@ def main(argv=None) -> int:
             if dev == "cuda":
                 torch.cuda.empty_cache()
     return 0
+
+
+def _time_layer(layer, x, psp, iters: int, dev: str) -> list:
+    """ms of each of ``iters`` fwd+bwd passes of ``layer`` (after one untimed pass)."""
+    import time
+
+    import torch
+
+    times = []
+    for i in range(iters + 1):
+        if dev == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        out, _ = layer(x, packed_seq_params=psp)
+        out.float().square().mean().backward()
+        if dev == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        if i:
+            times.append(ms)
+    return times
 
 
 if __name__ == "__main__":

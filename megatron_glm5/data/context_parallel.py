@@ -117,7 +117,7 @@ def split_batch_for_cp(batch: Dict, cp_size: int, cp_rank: int, config=None, *, 
     max_len = int((local_cu[1:] - local_cu[:-1]).max())
     params = ContextParallelPackedSeqParams(
         qkv_format="thd", cu_seqlens_q=local_cu, cu_seqlens_kv=local_cu, max_seqlen_q=max_len, max_seqlen_kv=max_len,
-        cu_seqlens_global=cu, chunk_offset=start, global_seq_len=total, **offsets)
+        cu_seqlens_global=cu, chunk_offset=start, global_seq_len=total, row_length=s, **offsets)
     return local, params
 
 

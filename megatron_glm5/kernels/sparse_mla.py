@@ -81,18 +81,21 @@ def _limits(t: torch.Tensor) -> Tuple[int, bool]:
     return device_limits(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 # ============================================================================ PyTorch reference
 def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, return_lse: bool = False):
     """Masked dense reference of :func:`sparse_mla` in fp32 (duplicates count once). ``O(s^2)`` memory.
 
     Args:
         q_lat: ``[b, s, H, R]``; kv_lat: ``[b, s, R]``; topk_indices: ``[b, s, W]`` (``-1`` unused); scale: softmax
             scale.
+        return_lse: also return the log-sum-exp of the selected scores.
     Returns:
-        ``[b, s, H, R]`` in ``q_lat.dtype``; rows with an empty selection are zero.
+        ``[b, s, H, R]`` in ``q_lat.dtype``; rows with an empty selection are zero. With ``return_lse``:
+        ``(out, lse [b, s, H] fp32)``, natural log, ``+inf`` on empty rows.
     """
     from megatron_glm5.models.kpool_dsa import topk_indices_to_mask
 
@@ -104,7 +107,11 @@ def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices
     scores = scores.masked_fill(~has_any[:, :, None, None], 0.0)
     probs = scores.softmax(dim=-1)
     out = torch.einsum("bsht,btr->bshr", probs, kv_lat.float())
-    return (out * has_any[..., None, None]).to(q_lat.dtype)
+    out = (out * has_any[..., None, None]).to(q_lat.dtype)
+    if return_lse:
+        lse = scores.logsumexp(dim=-1).masked_fill(~has_any[..., None], float("inf"))
+        return out, lse
+    return out
 
 
 # ============================================================================ Triton kernels
@@ -400,10 +407,11 @@ class _SparseMLAFunction(torch.autograd.Function):
         o, lse = _sparse_mla_fwd(q, kv, idx, n_end, scale)
         ctx.save_for_backward(q, kv, o, lse, idx, n_end)
         ctx.scale = scale
-        return o
+        ctx.mark_non_differentiable(lse)
+        return o, lse
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, _dlse):
         q, kv, o, lse, idx, n_end = ctx.saved_tensors
         dq, dkv = _sparse_mla_bwd(do, q, kv, o, lse, idx, n_end, ctx.scale)
         return dq, dkv, None, None, None
@@ -427,7 +435,7 @@ def prepare_indices(topk_indices: torch.Tensor, kv_len: int) -> Tuple[torch.Tens
 
 
 def sparse_mla(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor, scale: float,
-               prepared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+               prepared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, return_lse: bool = False):
     """Fused sparse absorbed attention (CUDA + triton); same contract as :func:`sparse_mla_reference` except that
     each row's valid indices must be distinct.
 
@@ -435,8 +443,11 @@ def sparse_mla(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Te
         q_lat: ``[b, s, H, R]`` (R a power of two >= 16); kv_lat: ``[b, s, R]``; topk_indices: ``[b, s, W]``.
         scale: softmax scale.
         prepared: optional ``prepare_indices(topk_indices, s)`` result (reused across layers sharing a selection).
+        return_lse: also return the forward's log-sum-exp of the selected scores (what the sparse indexer loss
+            needs to turn recomputed scores into the attention's probabilities).
     Returns:
-        ``o_lat [b, s, H, R]`` in ``q_lat.dtype``; differentiable w.r.t. ``q_lat`` and ``kv_lat``.
+        ``o_lat [b, s, H, R]`` in ``q_lat.dtype``; differentiable w.r.t. ``q_lat`` and ``kv_lat``. With
+        ``return_lse``: ``(o_lat, lse [b, s, H] fp32)``, natural log, ``+inf`` on empty rows, not differentiable.
     """
     if not HAVE_TRITON:
         raise RuntimeError("sparse_mla needs triton; use sparse_mla_reference (or dsa_backend='torch') instead")
@@ -449,8 +460,11 @@ def sparse_mla(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Te
     if q.stride(-1) != 1:  # any other layout with unit-stride rows is read as it is (o and dq take it too)
         q = q.contiguous()
     kv = kv_lat.reshape(b * t, R).contiguous().to(q.dtype)
-    o = _SparseMLAFunction.apply(q, kv, idx, n_end, float(scale))
-    return o.reshape(b, s, H, R)
+    o, lse = _SparseMLAFunction.apply(q, kv, idx, n_end, float(scale))
+    o = o.reshape(b, s, H, R)
+    if return_lse:
+        return o, (lse * _LN2).reshape(b, s, H)    # the kernel's lse is in log2 units
+    return o
 
 
 def sparse_mla_flops(topk_indices: torch.Tensor, num_heads: int, latent: int) -> Tuple[float, float]:

@@ -121,6 +121,10 @@ def build_model(config: Glm5Config, pre_process: bool = True, post_process: bool
     model = Glm5Model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                       parallel_output=parallel_output)
     ensure_tp_attributes(model)
+    if config.dsa_indexer_warmup:  # the indexer's dense warm-up: nothing but the indexers trains
+        for name, p in model.named_parameters():
+            if ".indexer." not in name:
+                p.requires_grad_(False)
     return model
 
 

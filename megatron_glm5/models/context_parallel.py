@@ -67,7 +67,8 @@ class ContextParallelPackedSeqParams(PackedSeqParams):
     ``cu_seqlens_global``: boundaries of the whole padded row ``[0, ..., S]`` (int32); ``chunk_offset``: the row
     position of the chunk's first token; ``global_seq_len``: ``S``; ``image_token_offset`` / ``video_token_offset``:
     image / video tokens before the chunk (index of the chunk's first image / video feature row);
-    ``video_span_depth``: video spans open at the chunk's first token.
+    ``video_span_depth``: video spans open at the chunk's first token; ``row_length``: the row's length before the
+    split's padding (positions from it on are padding; 0: not recorded, read as ``S``).
     """
 
     cu_seqlens_global: torch.Tensor = None
@@ -76,6 +77,7 @@ class ContextParallelPackedSeqParams(PackedSeqParams):
     image_token_offset: int = 0
     video_token_offset: int = 0
     video_span_depth: int = 0
+    row_length: int = 0
 
 
 def cp_group_of(pg_collection=None):

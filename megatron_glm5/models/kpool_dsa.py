@@ -35,6 +35,11 @@ input ``[s/tp, b, h]`` is all-gathered once on entry (the indexer and the latent
 layer then runs as under plain TP (its replicated parts see identical gradients on every TP rank, so the gather's
 backward only takes this rank's slice), and ``o_proj`` reduce-scatters the output back to ``[s/tp, b, h]``.
 
+Indexer training (``docs/indexer_training.md``): with ``config.dsa_indexer_loss_coeff`` > 0 (in training, autograd
+on) the indexer reads detached inputs and its KL loss (:mod:`megatron_glm5.models.indexer_loss`) joins the backward
+at this layer's output through megatron-core's ``DSAIndexerLossAutoScaler``; with ``config.dsa_indexer_warmup`` the
+attention is dense over every causal position of the query's document (the warm-up stage).
+
 Context parallelism (a contiguous chunk of a packed row per CP rank, :mod:`megatron_glm5.models.context_parallel`):
 queries are this rank's tokens; the KV latents ``c`` (``r`` values per token) are all-gathered over the CP group
 (backward: reduce-scatter), the indexer selects row positions of the whole row, and both backends attend over the
@@ -301,10 +306,11 @@ class Glm5DSAttention(MegatronModule):
                                     self.softmax_scale, query_chunk=self.sparse_query_chunk)
         return out.transpose(0, 1)
 
-    def _attention_fused(self, q, kv_lat, topk_indices):
+    def _attention_fused(self, q, kv_lat, topk_indices, return_lse: bool = False):
         """'fused' backend: :meth:`_attention_sparse`'s absorbed form with the Triton sparse MLA kernel. Same
         shapes. The indexer's tail slots (the last ``kpool - 1``) are moved to the front so that every row's valid
-        slots end early and the kernel skips the unused pool slots of short contexts."""
+        slots end early and the kernel skips the unused pool slots of short contexts. ``return_lse``: also the
+        kernel's log-sum-exp ``[b, s, Hl]`` (for the sparse indexer loss)."""
         from megatron_glm5.kernels.sparse_mla import sparse_mla
 
         w_kc, w_vc = self.absorbed_weights()
@@ -314,7 +320,10 @@ class Glm5DSAttention(MegatronModule):
         if topk_indices.shape[-1] > topk:
             topk_indices = torch.cat([topk_indices[..., topk:], topk_indices[..., :topk]], dim=-1)
         q_lat = torch.einsum("sbhd,hdr->bshr", q, w_kc)                               # [b, s, H, r]
-        o_lat = sparse_mla(q_lat, kv_lat.transpose(0, 1), topk_indices, self.softmax_scale)
+        o_lat = sparse_mla(q_lat, kv_lat.transpose(0, 1), topk_indices, self.softmax_scale, return_lse=return_lse)
+        if return_lse:
+            o_lat, lse = o_lat
+            return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc), lse
         return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc)                           # [s, b, H, dv]
 
     # ------------------------------------------------------------------ forward
@@ -343,7 +352,12 @@ class Glm5DSAttention(MegatronModule):
         kv_lat = self.kv_a_layernorm(linear_output(self.kv_a_proj_with_mqa(hidden_states)))       # [s, b, r]
         kv_lat = gather_sequence(kv_lat, self.cp_group)  # the whole row's latents under CP: [S, b, r]
 
-        if self.indexer is not None:
+        coeff = self.config.dsa_indexer_loss_coeff or 0.0
+        use_indexer_loss = self.indexer is not None and coeff > 0 and self.training and torch.is_grad_enabled()
+        if use_indexer_loss:  # the indexer's inputs are detached: the LM loss never reaches it
+            topk_indices, feats = self.indexer(hidden_states.detach(), q_resid.detach(),
+                                               packed_seq_params=packed_seq_params, return_features=True)
+        elif self.indexer is not None:
             topk_indices = self.indexer(hidden_states, q_resid, packed_seq_params=packed_seq_params)
         else:
             if shared_topk_indices is None:
@@ -351,7 +365,12 @@ class Glm5DSAttention(MegatronModule):
                                  f"layer's topk indices as shared_topk_indices")
             topk_indices = shared_topk_indices
 
-        if self.backend == "fused":
+        lse = None
+        if self.config.dsa_indexer_warmup:
+            out = self._attention_dense(q, kv_lat, packed_seq_params)
+        elif self.backend == "fused" and use_indexer_loss and self.config.dsa_indexer_use_sparse_loss:
+            out, lse = self._attention_fused(q, kv_lat, topk_indices, return_lse=True)
+        elif self.backend == "fused":
             out = self._attention_fused(q, kv_lat, topk_indices)
         elif self.backend == "sparse":
             out = self._attention_sparse(q, kv_lat, topk_indices)
@@ -361,7 +380,55 @@ class Glm5DSAttention(MegatronModule):
             raise ValueError(f"unknown dsa_backend {self.backend!r}")
         out = out.reshape(s, b, self.num_heads_local * self.v_head_dim)
         output = linear_output(self.o_proj(out))
+        if use_indexer_loss:
+            output = self._attach_indexer_loss(output, q, kv_lat, topk_indices, feats, coeff,
+                                               getattr(packed_seq_params, "row_length", None), lse)
         return output, topk_indices
+
+    def _attach_indexer_loss(self, output, q, kv_lat, topk_indices, feats, coeff, row_length=None, lse=None):
+        """The indexer loss of this micro batch (:mod:`megatron_glm5.models.indexer_loss`; target from the detached
+        attention tensors), recorded for the 'indexer loss' log line and attached to ``output`` through
+        megatron-core's ``DSAIndexerLossAutoScaler`` (its gradient, scaled like the main loss, joins the backward;
+        the output and its gradient pass unchanged). ``lse``: the fused kernel's log-sum-exp of the sparse
+        attention (the sparse target then reuses it)."""
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossAutoScaler,
+            DSAIndexerLossLoggingHelper,
+        )
+
+        from megatron_glm5.models.indexer_loss import indexer_loss_slot, indexer_loss_value, kpool_indexer_kl
+
+        w_kc, _ = self.absorbed_weights()
+        q_lat = torch.einsum("sbhd,hdr->bshr", q.detach(), w_kc.detach())             # [b, s, Hl, r]
+        sparse = bool(self.config.dsa_indexer_use_sparse_loss) and not self.config.dsa_indexer_warmup
+        kl, rows = kpool_indexer_kl(feats, q_lat, kv_lat.detach().transpose(0, 1), self.softmax_scale,
+                                    self.indexer.softmax_scale, topk_indices, self.indexer.kpool,
+                                    self.indexer.index_topk, sparse, tp_group=self.tp_group, row_length=row_length,
+                                    lse=lse if sparse else None)
+        cp = self.cp_group if get_pg_size(self.cp_group) > 1 else None
+        loss = indexer_loss_value(kl, rows, coeff, bool(self.config.calculate_per_token_loss), cp)
+        slot, n_slots = indexer_loss_slot(self.config, self.layer_number, getattr(self, "is_mtp_layer", False))
+        DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, slot, n_slots, reduce_group=cp)
+        return DSAIndexerLossAutoScaler.apply(output, loss)
+
+    def _attention_dense(self, q, kv_lat, packed_seq_params):
+        """The warm-up's dense attention: every query attends to every position of its document up to and including
+        itself (the whole row under CP). ``q [s, b, Hl, dq]``, ``kv_lat [t, b, r]`` -> ``[s, b, Hl, dv]``."""
+        from megatron_glm5.models.context_parallel import sequence_layout
+        from megatron_glm5.models.packing import document_ids
+
+        s, b = q.shape[:2]
+        layout = sequence_layout(packed_seq_params, s, q.device, self.cp_group)
+        t = kv_lat.shape[0]
+        doc = document_ids(layout.cu_seqlens, t)
+        qpos = torch.arange(layout.offset, layout.offset + s, device=q.device)
+        kpos = torch.arange(t, device=q.device)
+        mask = (doc[None, :] == doc[qpos][:, None]) & (kpos[None, :] <= qpos[:, None])     # [s, t]
+        kv = linear_output(self.kv_b_proj(kv_lat)).view(t, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
+        k, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                             attn_mask=mask, scale=self.softmax_scale)     # [b, Hl, s, dv]
+        return out.permute(2, 0, 1, 3)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):
         """megatron-core default: ``q_b_proj``/``kv_b_proj`` shard axis 0 and ``o_proj`` axis 1 over TP (their own

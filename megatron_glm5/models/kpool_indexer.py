@@ -29,14 +29,18 @@ padded), slots ``[index_topk, index_topk + kpool - 1)`` hold the tail when ``ind
 (``width = index_topk + kpool - 1``; otherwise ``width = index_topk``). Selected pools are disjoint and do not
 overlap the tail, so no position appears twice. Only the set of positions matters to the attention.
 
-The indexer runs under ``torch.no_grad``: its weights receive no gradient from the attention (GLM-5.3 trains it
-with a separate objective, if at all).
+Training (``docs/indexer_training.md``): the selection never carries a gradient. With the indexer loss off
+(``config.dsa_indexer_loss_coeff`` unset or 0, the default) the indexer's parameters are frozen
+(``requires_grad=False``: no gradient, no optimizer group, no weight decay; still saved). With it on,
+:meth:`KPoolIndexer.forward` ``(return_features=True)`` also returns the differentiable scores' inputs
+(:class:`KPoolFeatures`) for :mod:`megatron_glm5.models.indexer_loss`.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +54,7 @@ from megatron_glm5.models.linear import ReplicatedLinear
 from megatron_glm5.models.packing import document_ids, document_starts, row_boundaries, to_device_async
 from megatron_glm5.models.params import mark_replicated, param_device
 
-__all__ = ["KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]
+__all__ = ["KPoolFeatures", "KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]
 
 
 def kpool_pool_layout(cu_seqlens: torch.Tensor, kpool: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +96,46 @@ def kpool_tail_indices(cu_seqlens: torch.Tensor, seq_len: int, kpool: int) -> to
     offsets = torch.arange(kpool - 1, device=device)
     tail = (pos + 1 - tail_count)[:, None] + offsets
     return tail.masked_fill(offsets[None, :] >= tail_count[:, None], -1)
+
+
+@dataclass
+class KPoolFeatures:
+    """What the indexer computes for one micro batch before its top-k (``b`` rows of ``s`` queries at row positions
+    ``[offset, offset + s)`` of a row of ``global_len`` tokens; ``P`` complete pools of the whole row).
+
+    ``q [b, s, H, D]`` indexer queries, ``pool_keys [b, P, D]`` fp32, ``weights [b, s, H]`` fp32 (times
+    ``H^-0.5``): the pool score is :func:`~megatron_glm5.kernels.indexer_scores.indexer_scores_reference` of them.
+    ``pool_tokens [P, kpool]`` / ``pool_doc [P]`` / ``pool_end [P]``: row positions, document and last position of
+    every pool (``*_h``: host copies); ``query_doc [s]``: document of every query; ``bounds``: the row's document
+    boundaries (host list); ``selected_pools [b, s, index_topk // kpool]``: the selection's pool numbers
+    (``-1`` unused), set by :meth:`KPoolIndexer.forward`.
+    """
+
+    q: torch.Tensor
+    pool_keys: torch.Tensor
+    weights: torch.Tensor
+    cu_seqlens: torch.Tensor
+    offset: int
+    global_len: int
+    bounds: List[int]
+    pool_tokens: torch.Tensor
+    pool_doc: torch.Tensor
+    pool_end: torch.Tensor
+    pool_doc_h: torch.Tensor
+    pool_end_h: torch.Tensor
+    query_doc: torch.Tensor
+    cp_group: object = None
+    selected_pools: Optional[torch.Tensor] = None
+
+    def candidate_range(self, a: int, e: int) -> Tuple[int, int]:
+        """Pools ``[lo, hi)`` that queries ``[a, e)`` (local) may see: from the first pool of the first query's
+        document up to the last pool that ends at or before the last query (one contiguous range)."""
+        if not self.pool_doc_h.numel():
+            return 0, 0
+        first_doc = bisect.bisect_right(self.bounds, self.offset + a) - 1            # document of query off + a
+        lo = int(torch.searchsorted(self.pool_doc_h, torch.tensor([first_doc])).item())
+        hi = int(torch.searchsorted(self.pool_end_h, torch.tensor([self.offset + e - 1]), right=True).item())
+        return lo, hi
 
 
 class KPoolIndexer(MegatronModule):
@@ -140,6 +184,8 @@ class KPoolIndexer(MegatronModule):
             torch.ones(self.head_dim, self.hidden_size, device=device, dtype=dtype))
         mark_replicated(self)
         self.cp_group = cp_group_of(pg_collection)
+        if not (getattr(config, "dsa_indexer_loss_coeff", None) or 0.0) > 0:
+            self.requires_grad_(False)   # frozen: nothing trains the indexer without its loss
 
     @property
     def output_width(self) -> int:
@@ -155,19 +201,11 @@ class KPoolIndexer(MegatronModule):
         probs = logits.softmax(dim=2).to(grouped_keys.dtype)
         return (probs * grouped_keys).sum(dim=2)
 
-    @torch.no_grad()
-    def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor,
-                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
-        """Select the attended positions of every query.
+    def features(self, hidden_states: torch.Tensor, q_resid: torch.Tensor,
+                 packed_seq_params: Optional[PackedSeqParams] = None) -> "KPoolFeatures":
+        """The indexer's per-query and per-pool tensors of one micro batch (differentiable where autograd is on).
 
-        Args:
-            hidden_states: ``[s, b, hidden]`` the attention input.
-            q_resid: ``[s, b, q_lora_rank]`` ``q_a_layernorm(q_a_proj(x))`` of the attention.
-            packed_seq_params: document boundaries of a packed row (``b`` must be 1); ``None``: every batch row
-                is one document.
-
-        Returns:
-            ``[b, s, output_width]`` int32 row positions, ``-1`` for unused slots (layout in the module docstring).
+        Args: as :meth:`forward`. Returns: :class:`KPoolFeatures`.
         """
         s, b, _ = hidden_states.shape
         device = hidden_states.device
@@ -194,24 +232,62 @@ class KPoolIndexer(MegatronModule):
         pool_end_h = pool_tokens_h[:, -1].contiguous()
         pool_tokens, pool_doc, pool_end = (to_device_async(t, device)
                                            for t in (pool_tokens_h, pool_doc_h, pool_end_h))  # [P, kp], [P], [P]
-        n_pools = pool_doc.numel()
         pool_keys = self.pooled_keys(keys, gates, pool_tokens).float()                # [b, P, D]
         doc = document_ids(cu, S)[off:off + s]                                     # [s]
+        return KPoolFeatures(q=q, pool_keys=pool_keys, weights=weights, cu_seqlens=cu, offset=off, global_len=S,
+                             bounds=bounds, pool_tokens=pool_tokens, pool_doc=pool_doc, pool_end=pool_end,
+                             pool_doc_h=pool_doc_h, pool_end_h=pool_end_h, query_doc=doc,
+                             cp_group=layout.cp_group)
+
+    def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor,
+                packed_seq_params: Optional[PackedSeqParams] = None, return_features: bool = False):
+        """Select the attended positions of every query.
+
+        Args:
+            hidden_states: ``[s, b, hidden]`` the attention input.
+            q_resid: ``[s, b, q_lora_rank]`` ``q_a_layernorm(q_a_proj(x))`` of the attention.
+            packed_seq_params: document boundaries of a packed row (``b`` must be 1); ``None``: every batch row
+                is one document.
+            return_features: also return the :class:`KPoolFeatures` (with ``selected_pools``), computed with
+                autograd on (when it is on) so that the indexer loss can train the indexer; the selection itself is
+                the same, bitwise, and never differentiable.
+
+        Returns:
+            ``[b, s, output_width]`` int32 row positions, ``-1`` for unused slots (layout in the module docstring);
+            with ``return_features``: ``(indices, features)``.
+        """
+        with torch.set_grad_enabled(return_features and torch.is_grad_enabled()):
+            feats = self.features(hidden_states, q_resid, packed_seq_params)
+        with torch.no_grad():
+            indices, selected_pools = self._select(feats)
+        if return_features:
+            feats.selected_pools = selected_pools
+            return indices, feats
+        return indices
+
+    def _select(self, feats: "KPoolFeatures") -> Tuple[torch.Tensor, torch.Tensor]:
+        """The selection of :meth:`forward` from the features: ``(indices [b, s, width] int32, selected_pools
+        [b, s, index_topk // kpool] int64)``, the pool numbers (rows of ``feats.pool_tokens``) of the selected
+        pools in slot order, ``-1`` where a slot is unused."""
+        q, pool_keys, weights = feats.q, feats.pool_keys, feats.weights
+        b, s = q.shape[:2]
+        device = q.device
+        kp, off, S = self.kpool, feats.offset, feats.global_len
+        pool_tokens, pool_doc, pool_end, doc = feats.pool_tokens, feats.pool_doc, feats.pool_end, feats.query_doc
+        n_pools = pool_doc.numel()
         pool_first = pool_tokens[:, 0].contiguous()                                # a pool: kp consecutive tokens
         slot = torch.arange(kp, device=device, dtype=torch.int32)
 
         pool_part = torch.full((b, s, self.index_topk), -1, dtype=torch.int32, device=device)
         max_select = self.index_topk // kp
+        selected_pools = torch.full((b, s, max_select), -1, dtype=torch.long, device=device)
+        H = self.n_heads
         fused = self.use_fused_scores and q.is_cuda and indexer_scores.HAVE_TRITON
         # the PyTorch scores hold [b, chunk, H, p] per-head values; the fused kernel writes only [b, chunk, p]
         chunk = max(16, self.score_chunk_elements // max(1, b * n_pools * (1 if fused else H)))
         for a in range(0, s, chunk):
             e = min(s, a + chunk)
-            # Candidate pools of this chunk form one contiguous range: from the first pool of the chunk's first
-            # document up to the last pool that ends at or before the chunk's last query.
-            first_doc = bisect.bisect_right(bounds, off + a) - 1                   # document of query off + a
-            lo = int(torch.searchsorted(pool_doc_h, torch.tensor([first_doc])).item()) if n_pools else 0
-            hi = int(torch.searchsorted(pool_end_h, torch.tensor([off + e - 1]), right=True).item()) if n_pools else 0
+            lo, hi = feats.candidate_range(a, e)
             if hi <= lo:
                 continue
             pos = torch.arange(off + a, off + e, device=device)
@@ -232,8 +308,9 @@ class KPoolIndexer(MegatronModule):
             first = torch.take(pool_first, sel_pool).to(torch.int32)                      # [b, c, k]
             tokens = torch.where(selected_valid[..., None], first[..., None] + slot, -1)   # [b, c, k, kp]
             pool_part[:, a:e, : k * kp] = tokens.flatten(-2)
+            selected_pools[:, a:e, :k] = torch.where(selected_valid, sel_pool, -1)
 
         if self.always_select_tail and kp > 1:
-            tail = kpool_tail_indices(cu, S, kp)[off:off + s][None].expand(b, -1, -1)
-            return torch.cat([pool_part, tail.to(torch.int32)], dim=-1)
-        return pool_part
+            tail = kpool_tail_indices(feats.cu_seqlens, S, kp)[off:off + s][None].expand(b, -1, -1)
+            return torch.cat([pool_part, tail.to(torch.int32)], dim=-1), selected_pools
+        return pool_part, selected_pools

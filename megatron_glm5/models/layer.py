@@ -67,6 +67,7 @@ class Glm5TransformerLayer(MegatronModule):
         self.input_layernorm = build_module(submodules.input_layernorm, config=config,
                                             hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.self_attention = _build_attention(submodules.self_attention, config, layer_number, pg_collection)
+        self.self_attention.is_mtp_layer = is_mtp_layer   # the DSA indexer loss logs the MTP layer in a slot of its own
         from megatron_glm5.models.kpool_dsa import Glm5DSAttention
 
         self.is_dsa = isinstance(self.self_attention, Glm5DSAttention)

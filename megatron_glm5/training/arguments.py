@@ -220,6 +220,10 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="fla_fused KDA: keep chunk_kda's forward intermediates for the backward instead of recomputing "
                         "them (default: on with fla_fused; ~0.57 GiB more per KDA layer per 4K tokens)")
     g.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
+    g.add_argument("--dsa-indexer-warmup", type=int, default=0, metavar="N",
+                   help="the KPool indexers' dense warm-up (DeepSeek-V3.2): iterations 1..N attend densely, train "
+                        "only the indexers, by --dsa-indexer-loss-coeff's loss alone, and end the run at iteration N "
+                        "(saved with --save); a resume past N runs the sparse stage (docs/indexer_training.md)")
 
     g = parser.add_argument_group("GLM-5.3 data")
     g.add_argument("--dataset-type", choices=("gpt", "vqa", "chat"), default="gpt",
@@ -467,6 +471,7 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
     from megatron_glm5.training.save_guard import check_save_target, existing_folder  # --save loses nothing
 
     check_save_target(args)  # before the --load checks: a --save that would lose data is named first
+    _check_indexer_training(args)  # the stage this run is in, which the --load checks read
     _check_checkpoints(args, hf)
     for flag in ("--tensorboard-dir", "--wandb-save-dir", "--data-cache-path"):  # folders Megatron-LM creates
         path = getattr(args, flag[2:].replace("-", "_"), None)
@@ -477,6 +482,63 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
         _require(args.eval_iters == 0, "--eval-interval",
                  f"required with --eval-iters {args.eval_iters} (--eval-iters 0 turns validation off)")
         args.eval_interval = args.train_iters  # no validation: Megatron-LM still sizes the valid split with it
+
+
+def _start_iteration(args: argparse.Namespace) -> int:
+    """The iteration this run starts after: --ckpt-step, else the iteration --load's tracker names (0 without one,
+    for 'release' and with --finetune)."""
+    from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, read_tracker
+
+    if args.finetune or not args.load or not os.path.isdir(args.load):
+        return 0
+    if getattr(args, "ckpt_step", None) is not None:
+        return int(args.ckpt_step)
+    try:
+        name = read_tracker(args.load)
+    except CheckpointDirError:  # the --load checks name it
+        return 0
+    return int(name[len("iter_"):]) if name and name.startswith("iter_") else 0
+
+
+def _check_indexer_training(args: argparse.Namespace) -> None:
+    """--dsa-indexer-loss-coeff / --dsa-indexer-use-sparse-loss / --dsa-indexer-warmup; sets
+    ``args.dsa_indexer_warmup_stage`` (this run is the warm-up: it starts before iteration N) and, in it, ends the run
+    at iteration N (``--exit-interval N``)."""
+    coeff = args.dsa_indexer_loss_coeff
+    _require(coeff is None or (math.isfinite(coeff) and coeff >= 0), "--dsa-indexer-loss-coeff",
+             f"must be a finite number >= 0, got {coeff}")
+    _require(args.dsa_indexer_warmup >= 0, "--dsa-indexer-warmup", f"must be >= 0, got {args.dsa_indexer_warmup}")
+    if args.dsa_indexer_use_sparse_loss:
+        _require((coeff or 0) > 0, "--dsa-indexer-use-sparse-loss", "needs --dsa-indexer-loss-coeff > 0")
+    args.dsa_indexer_warmup_stage = False
+    if args.dsa_indexer_warmup:
+        _require((coeff or 0) > 0, "--dsa-indexer-warmup",
+                 "needs --dsa-indexer-loss-coeff > 0 (the warm-up trains the indexers by their loss alone)")
+        args.dsa_indexer_warmup_stage = _start_iteration(args) < args.dsa_indexer_warmup
+        if args.dsa_indexer_warmup_stage:
+            _require(args.exit_interval is None, "--exit-interval",
+                     f"the warm-up stage ends at iteration {args.dsa_indexer_warmup} (--dsa-indexer-warmup) by "
+                     "itself: leave --exit-interval out")
+            args.exit_interval = args.dsa_indexer_warmup
+
+
+def _check_warmup_stages(args: argparse.Namespace, config) -> None:
+    """The warm-up trains only the indexers: every (virtual) pipeline stage must hold one, else its output needs no
+    gradient and its optimizer has nothing to step (the pipeline would wait on it)."""
+    if not getattr(args, "dsa_indexer_warmup_stage", False) or config.pipeline_model_parallel_size == 1:
+        return
+    from megatron_glm5.config import INDEXED_ATTENTION
+    from megatron_glm5.models.parallel_layout import mtp_on_stage, stage_layer_ranges
+
+    mtp_dsa = (config.hf_text_config.get("mtp_layer_types") or [INDEXED_ATTENTION])[0] == INDEXED_ATTENTION
+    for (rank, vp), layers in sorted(stage_layer_ranges(config).items()):
+        has = any(config.layer_types[i] == INDEXED_ATTENTION and config.indexer_types[i] == "full" for i in layers)
+        vp_stage = vp if config.virtual_pipeline_model_parallel_size else None
+        has = has or (mtp_dsa and mtp_on_stage(config, rank, vp_stage))
+        where = f"pipeline stage {rank}" + (f" (virtual stage {vp})" if vp_stage is not None else "")
+        _require(has, "--dsa-indexer-warmup", f"{where} holds no DSA layer with an indexer (decoder layers "
+                 f"{layers.start + 1}-{layers.stop}): the warm-up trains only the indexers, so every stage needs one; "
+                 "move the stage boundaries (--decoder-first-pipeline-num-layers, --pipeline-model-parallel-layout)")
 
 
 def _is_number(s: str) -> bool:
@@ -644,9 +706,10 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
         validate_glm5_args(args, arch, hf, argv)
         args.hf_config_dict = hf
         try:  # the parallel layout against the model (heads, experts, layers per stage)
-            model_config_from_args(args, "cpu")
+            model_config = model_config_from_args(args, "cpu")
         except (ValueError, TypeError, AssertionError) as e:
             raise ArgumentError("model config", _flag_names(one_line(e))) from None
+        _check_warmup_stages(args, model_config)
         with contextlib.redirect_stdout(megatron_noise):
             validate_args(args, defaults)
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
@@ -690,6 +753,9 @@ def model_config_from_args(args, device: str):
         use_cpu_initialization=(device == "cpu") or args.use_cpu_initialization,
         perform_initialization=True,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        dsa_indexer_loss_coeff=args.dsa_indexer_loss_coeff,
+        dsa_indexer_use_sparse_loss=args.dsa_indexer_use_sparse_loss,
+        dsa_indexer_warmup=bool(getattr(args, "dsa_indexer_warmup_stage", False)),
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,

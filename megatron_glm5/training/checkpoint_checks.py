@@ -77,7 +77,8 @@ def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
 LAYOUT_FNAME = "parallel_layout.json"  # written beside every save of the trainer (megatron_hooks)
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                  "expert_tensor_parallel_size", "context_parallel_size", "data_parallel_size",
-                 "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "no_save_optim")
+                 "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "no_save_optim",
+                 "dsa_indexer_loss_coeff", "dsa_indexer_warmup_stage")
 
 
 def layout_record(args) -> dict:
@@ -111,6 +112,11 @@ def resume_refusal(ckpt_dir: str, saved: dict, args, layout_file: bool = False) 
     if saved.get("no_save_optim"):
         return (f"{ckpt_dir} holds no optimizer state (saved with --no-save-optim): start a fresh optimizer from its "
                 "weights with --no-load-optim (or --finetune to also restart the iteration count and schedule)")
+    from megatron_glm5.training.indexer_stages import optimizer_state_refusal
+
+    problem = optimizer_state_refusal(ckpt_dir, saved, args)  # which parameters the optimizer state covers
+    if problem:
+        return problem
     was = saved.get("use_distributed_optimizer")
     if was is not None and bool(was) != bool(args.use_distributed_optimizer):
         flag = "with" if was else "without"

@@ -364,6 +364,11 @@ def install() -> None:
     if install_expert_buffer_layout():
         _INSTALLED.append("DDP buffer: each MoE layer's expert weights back to back in expert order (the grouped "
                           "GEMM reads them without a copy)")
+    from megatron_glm5.training import indexer_stages
+
+    if indexer_stages.install():
+        _INSTALLED.append("resume: the indexer warm-up's last checkpoint starts the sparse stage (the indexers' Adam moments "
+                          "carried, the others fresh)")
     if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
         training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
         _INSTALLED.append("optimizer: steps with a NaN/inf gradient norm or updated weight skipped and counted; "
