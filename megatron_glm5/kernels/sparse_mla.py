@@ -84,6 +84,16 @@ _LOG2E = 1.4426950408889634
 
 
 # ============================================================================ PyTorch reference
+def topk_indices_to_mask(topk_indices: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """Boolean ``[b, s, kv_length]`` mask (True = attend) from ``topk_indices [b, s, w]`` (``-1`` = unused)."""
+    b, s, _ = topk_indices.shape
+    idx = topk_indices.long()
+    idx = torch.where((idx >= 0) & (idx < kv_length), idx, kv_length)
+    mask = torch.zeros(b, s, kv_length + 1, dtype=torch.bool, device=topk_indices.device)
+    mask.scatter_(-1, idx, True)
+    return mask[..., :kv_length]
+
+
 def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """Masked dense reference of :func:`sparse_mla` in fp32 (duplicates count once). ``O(s^2)`` memory.
@@ -94,8 +104,6 @@ def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices
     Returns:
         ``[b, s, H, R]`` in ``q_lat.dtype``; rows with an empty selection are zero.
     """
-    from megatron_glm5.models.kpool_dsa import topk_indices_to_mask
-
     t = kv_lat.shape[1]
     mask = topk_indices_to_mask(topk_indices, t)                                  # [b, s, t]
     has_any = mask.any(-1)                                                        # [b, s]

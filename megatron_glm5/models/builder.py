@@ -33,7 +33,7 @@ def backend_fallbacks(device: str) -> dict:
     and its tilings are written for sm_90: vector reductions, ~200 KiB of shared memory a program)."""
     if str(device).split(":")[0] != "cuda":
         return {k: "no CUDA device: the PyTorch reference" for k in FAST_BACKENDS}
-    from megatron_glm5.checkpoint.errors import one_line
+    from megatron_glm5.errors import one_line
 
     out = {}
     try:

@@ -61,6 +61,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
+from megatron_glm5.kernels.sparse_mla import sparse_mla, topk_indices_to_mask
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence
 from megatron_glm5.models.kpool_indexer import KPoolIndexer
 from megatron_glm5.models.linear import ReplicatedLinear, linear_output
@@ -109,16 +110,6 @@ def get_dsa_module_spec() -> ModuleSpec:
 
 
 # ---------------------------------------------------------------------------- attention kernels
-def topk_indices_to_mask(topk_indices: torch.Tensor, kv_length: int) -> torch.Tensor:
-    """Boolean ``[b, s, kv_length]`` mask (True = attend) from ``topk_indices [b, s, w]`` (``-1`` = unused)."""
-    b, s, _ = topk_indices.shape
-    idx = topk_indices.long()
-    idx = torch.where((idx >= 0) & (idx < kv_length), idx, kv_length)
-    mask = torch.zeros(b, s, kv_length + 1, dtype=torch.bool, device=topk_indices.device)
-    mask.scatter_(-1, idx, True)
-    return mask[..., :kv_length]
-
-
 def dense_topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """Masked dense reference. ``q [b, s, H, dq]``, ``k [b, t, H, dq]``, ``v [b, t, H, dv]``,
@@ -305,8 +296,6 @@ class Glm5DSAttention(MegatronModule):
         """'fused' backend: :meth:`_attention_sparse`'s absorbed form with the Triton sparse MLA kernel. Same
         shapes. The indexer's tail slots (the last ``kpool - 1``) are moved to the front so that every row's valid
         slots end early and the kernel skips the unused pool slots of short contexts."""
-        from megatron_glm5.kernels.sparse_mla import sparse_mla
-
         w_kc, w_vc = self.absorbed_weights()
         if get_pg_size(self.tp_group) > 1:
             kv_lat = copy_to_tensor_model_parallel_region(kv_lat, group=self.tp_group)

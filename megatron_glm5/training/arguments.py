@@ -21,18 +21,10 @@ import re
 import sys
 from typing import List, NamedTuple, NoReturn, Optional
 
-from megatron_glm5.cli import one_line
+from megatron_glm5.errors import ArgumentError, one_line
 
 PROG = "pretrain_glm5_vlm.py"
 MODEL_PRESETS = ("glm5-flash", "glm5-tiny")
-
-
-class ArgumentError(ValueError):
-    """A bad flag value or combination: the message names the flag and says why."""
-
-    def __init__(self, flag: str, reason: str):
-        super().__init__(f"{flag}: {reason}")
-        self.flag = flag
 
 
 def print_line(line: str) -> None:
