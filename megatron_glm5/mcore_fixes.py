@@ -57,14 +57,19 @@ from megatron_glm5.data import index_cache
 AFFECTED_VERSIONS = ("0.16.1", "0.19.2")
 
 
-def needs_fixes(version: str = MCORE_VERSION) -> bool:
-    """Whether megatron-core ``version`` (its release part: ``0.19.2rc1`` counts as 0.19.2) lies in
-    :data:`AFFECTED_VERSIONS`."""
+def version_in(versions: Tuple[str, str], version: str = MCORE_VERSION) -> bool:
+    """Whether megatron-core ``version`` (its release part: ``0.19.2rc1`` counts as 0.19.2) lies in the inclusive
+    range ``versions`` (first, last): the version guard of every change this project makes to megatron-core."""
     from packaging.version import Version
 
     release = Version(Version(version).base_version).release
-    first, last = (Version(v).release for v in AFFECTED_VERSIONS)
+    first, last = (Version(v).release for v in versions)
     return first <= release <= last
+
+
+def needs_fixes(version: str = MCORE_VERSION) -> bool:
+    """Whether megatron-core ``version`` lies in :data:`AFFECTED_VERSIONS`."""
+    return version_in(AFFECTED_VERSIONS, version)
 
 
 def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None):
