@@ -9,7 +9,7 @@ paths, and :func:`megatron_glm5.execution_plan.resolve_execution_plan` decides w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -63,21 +63,20 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     gate g = -exp(A_log) * softplus(f + dt_bias)."""
     kda_chunk_size: int = 64
     """Chunk length of the chunked delta rule (torch backend and FLA)."""
-    kda_backend: str = "torch"
+    kda_backend: Optional[str] = None
     """'torch' (chunked PyTorch delta rule, runs anywhere), 'fla' (flash-linear-attention chunk_kda, CUDA) or
     'fla_fused' (FLA conv, in-kernel gates and fused gated norm around chunk_kda: the GPU fast path, for bf16; in
-    fp32 its TF32 inside FLA's gate and norm kernels puts it ~10x further from the fp32 reference than 'fla', so fp32
-    checks on a GPU should pick 'fla')."""
+    fp32 its TF32 inside FLA's gate and norm kernels puts it ~10x further from the fp32 reference than 'fla').
+    None: the execution plan picks (:mod:`megatron_glm5.execution_plan`)."""
     kda_conv_kernel: str = "triton"
     """'fla_fused': the short convolution with its SiLU, forward and backward: 'triton' (``kernels/short_conv.py``,
     one pass each way, the pre-activation recomputed inside the backward kernel; up to 4 taps, wider convolutions
     take FLA's) or 'fla' (FLA's ``causal_conv1d``, whose backward runs the forward again first)."""
-    kda_save_intermediates: bool = False
+    kda_save_intermediates: Optional[bool] = None
     """'fla_fused': keep ``chunk_kda``'s forward intermediates (gate cumsum, w, u, gated q / k, v_new and the chunk
     states h) for its backward instead of recomputing them there (FLA's ``disable_recompute``). Same arithmetic; at
-    the released widths it holds ~0.57 GiB more per KDA layer per 4K tokens until the backward. Off in the dataclass;
-    ``models.builder.default_backends`` and the training arguments (``--no-kda-save-intermediates``) turn it on with
-    'fla_fused': on an H200 (2026-12-04) the 8K-token proxy step went from 279.3 to 273.0 ms (4K: the same)."""
+    the released widths it holds ~0.57 GiB more per KDA layer per 4K tokens until the backward. None: on with
+    'fla_fused' (the execution plan; ``--no-kda-save-intermediates`` turns it off)."""
 
     # ---- KPool DSA ----
     index_n_heads: int = 32
@@ -90,9 +89,9 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     """Tokens per pool. The released checkpoint uses 4 (the HF class default is 16): always read it from the file."""
     index_kpool_always_select_tail: bool = True
     """Whether the query's own incomplete pool (up to and including the query) is always attended."""
-    dsa_backend: str = "torch"
+    dsa_backend: Optional[str] = None
     """'torch' (masked dense reference, quadratic), 'sparse' (gathers only the selected positions) or 'fused' (the
-    Triton sparse absorbed-MLA kernel, forward and backward: the GPU fast path)."""
+    Triton sparse absorbed-MLA kernel, forward and backward: the GPU fast path). None: the execution plan picks."""
 
     # ---- manifold-constrained hyper-connections ----
     hc_mult: int = 4
@@ -104,7 +103,7 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     mhc_stream_grad_fusion: bool = False
     """Fused mHC path (CUDA): the output side's gradient of the residual streams is added inside the input side's
     projection backward kernel instead of by autograd (one read of the streams gradient instead of a separate add
-    of two; ~8 x 90 us at 4K tokens in the H200 proxy step). Off until measured on a GPU."""
+    of two)."""
 
     # ---- MoE extras ----
     swiglu_limit: float = 10.0
@@ -113,17 +112,17 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     """Normalise the selected sigmoid scores to sum to 1 (megatron-core's sigmoid router always does for topk>1)."""
     n_shared_experts: int = 1
     """Shared experts, fused into one MLP of moe_ffn_hidden_size * n_shared_experts."""
-    moe_experts_backend: str = "sequential"
+    moe_experts_backend: Optional[str] = None
     """Routed experts: 'sequential' (megatron-core SequentialMLP, one GEMM pair per expert) or 'grouped' (the same
-    parameters and checkpoint keys, run as torch._grouped_mm grouped GEMMs on CUDA: the GPU fast path)."""
-    moe_cuda_graph: bool = False
+    parameters and checkpoint keys, run as torch._grouped_mm grouped GEMMs on CUDA: the GPU fast path). None: the
+    execution plan picks."""
+    moe_cuda_graph: Optional[bool] = None
     """Run each MoE layer's forward and backward as replayed CUDA graphs (``models/cuda_graphs.py``, one capture
     per input shape) instead of launching its ~100 kernels from Python every step: the GPU fast path for short
     steps, which wait for the host. Training on CUDA only, and only without collectives inside the layer (EP, TP,
-    CP of 1), aux / z-loss, token dropping or activation recompute; otherwise, or in evaluation, the layer runs
-    eagerly. The same operations as eager (cuBLAS may pick other GEMM algorithms under capture: bf16 rounding).
-    Off in the dataclass (CPU tests); ``models.builder.default_backends`` and the training arguments turn it on for
-    CUDA: on an H200 (2026-12-04) it cut the 4K-token proxy step from 178.7 to 159.8 ms."""
+    CP of 1), aux / z-loss, token dropping or activation recompute (``execution_plan.moe_graph_blockers``);
+    otherwise, or in evaluation, the layer runs eagerly. The same operations as eager (cuBLAS may pick other GEMM
+    algorithms under capture: bf16 rounding). None: on for CUDA (the execution plan)."""
 
     # ---- vision / multimodal ----
     vision: Optional[Glm5VisionConfig] = None
@@ -146,6 +145,9 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     # ---- bookkeeping ----
     hf_text_config: dict = field(default_factory=dict)
     """The raw HF text config this was built from (written back on export)."""
+    execution_plan: Optional[Any] = None
+    """What runs (:class:`megatron_glm5.execution_plan.ExecutionPlan`): set by ``build_model`` for the device it
+    builds on; the modules read their backend, kernel and graph switches from it."""
     hf_quantization_config: Optional[dict] = None
     """The HF ``quantization_config`` of the checkpoint this was built from (its FP8 block: the import dequantises
     with it, the FP8 export quantises with it); written back by ``to_hf_dict``."""
@@ -190,12 +192,12 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
         need(self.linear_head_dim <= 256, "linear_head_dim", f"{self.linear_head_dim} > 256 is not supported by the KDA kernels")
         need(self.linear_conv_kernel_dim >= 1, "linear_conv_kernel_dim", "must be >= 1")
         need(self.linear_lower_bound is None or self.linear_lower_bound < 0, "linear_lower_bound", "must be negative or null")
-        need(self.kda_backend in KDA_BACKENDS, "kda_backend", f"{self.kda_backend!r} not in {KDA_BACKENDS}")
+        for name, allowed in (("kda_backend", KDA_BACKENDS), ("dsa_backend", DSA_BACKENDS),
+                              ("moe_experts_backend", MOE_EXPERTS_BACKENDS)):
+            value = getattr(self, name)
+            need(value is None or value in allowed, name, f"{value!r} not in {allowed}")
         need(self.kda_conv_kernel in KDA_CONV_KERNELS, "kda_conv_kernel",
              f"{self.kda_conv_kernel!r} not in {KDA_CONV_KERNELS}")
-        need(self.dsa_backend in DSA_BACKENDS, "dsa_backend", f"{self.dsa_backend!r} not in {DSA_BACKENDS}")
-        need(self.moe_experts_backend in MOE_EXPERTS_BACKENDS, "moe_experts_backend",
-             f"{self.moe_experts_backend!r} not in {MOE_EXPERTS_BACKENDS}")
         need(self.kda_chunk_size in (16, 32, 64), "kda_chunk_size", "must be 16, 32 or 64")
         need(self.index_kpool >= 1, "index_kpool", f"must be positive, got {self.index_kpool}")
         need(self.index_topk % self.index_kpool == 0, "index_topk",

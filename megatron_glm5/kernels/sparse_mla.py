@@ -71,7 +71,7 @@ def device_limits(index: int) -> Tuple[int, bool]:
     sm_90 budget :data:`_SMEM_BUDGET` where the device's opt-in per-block shared memory allows it, else that maximum
     less 8 KiB (the compiler's own use; A100: 155 KiB, sm_86 / sm_89: 91 KiB); ``red.global.add.v4.f32`` from
     compute capability 9.0 on (older devices take scalar atomics). With these the kernels compile on any device
-    Triton supports; ``models.builder.default_backends`` still picks them only on sm_90."""
+    Triton supports; the execution plan still picks them only on sm_90."""
     props = torch.cuda.get_device_properties(index)
     optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0) or _SMEM_BUDGET + 8 * 1024
     return min(_SMEM_BUDGET, optin - 8 * 1024), (props.major, props.minor) >= (9, 0)

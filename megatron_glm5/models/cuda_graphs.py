@@ -50,8 +50,9 @@ instead of 13.7 (separate machines; every loss finite, the same losses as the Mo
 decimal); ``tests/test_cuda_graphs.py`` has not run on a GPU with that scope yet.
 
 Calls outside training (``module.training`` off, autograd off, autocast on, an input without gradient, a CPU
-tensor, or while another graph is being captured) run eagerly. Callers decide eligibility that depends on the model
-(:func:`moe_graph_blockers`): collectives, aux losses that log through Python state, activation recompute.
+tensor, or while another graph is being captured) run eagerly. Eligibility that depends on the model is the
+execution plan's (:func:`megatron_glm5.execution_plan.moe_graph_blockers`): collectives, aux losses that log
+through Python state, activation recompute.
 """
 
 from __future__ import annotations
@@ -63,36 +64,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_glm5.execution_plan import moe_graph_blockers
+
 __all__ = ["GraphedModule", "aliased_parameters", "cublas_workspaces_of_capture", "describe_graphed_modules",
            "graphed_modules", "moe_graph_blockers"]
 
 log = logging.getLogger(__name__)
-
-
-def moe_graph_blockers(config) -> List[str]:
-    """Why an MoE layer built from ``config`` cannot run as CUDA graphs (empty: it can). Graphs hold no
-    collectives here (no EP / expert-TP / TP / CP communication inside the layer), no aux or z-loss (their logging
-    goes through megatron's Python-side tracker), no token dropping (capacity) and no activation recompute (the
-    recompute pass would capture inside autograd's backward)."""
-    out = []
-    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
-                 "context_parallel_size"):
-        if (getattr(config, name, 1) or 1) != 1:
-            out.append(f"{name}={getattr(config, name)}")
-    if getattr(config, "moe_router_load_balancing_type", "none") not in (None, "none") and \
-            (getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0) != 0.0:
-        out.append("an aux loss")
-    if getattr(config, "moe_z_loss_coeff", None):
-        out.append("a z-loss")
-    if getattr(config, "moe_expert_capacity_factor", None) is not None:
-        out.append("token dropping (moe_expert_capacity_factor)")
-    if getattr(config, "moe_router_force_load_balancing", False) or getattr(config, "moe_input_jitter_eps", None):
-        out.append("random routing")
-    if getattr(config, "recompute_granularity", None) is not None:
-        out.append(f"recompute_granularity={config.recompute_granularity}")
-    if getattr(config, "moe_shared_expert_overlap", False):
-        out.append("moe_shared_expert_overlap")
-    return out
 
 
 @contextlib.contextmanager

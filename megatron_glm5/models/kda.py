@@ -42,11 +42,12 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
+from megatron_glm5.execution_plan import plan_of
 from megatron_glm5.models.linear import linear_output
 from megatron_glm5.models.params import param_device
 from megatron_glm5.config import Glm5Config
 from megatron_glm5.kernels.kda import chunk_kda_fla, chunk_kda_torch, l2norm, recurrent_kda_reference
-from megatron_glm5.kernels.short_conv import MAX_TAPS, causal_depthwise_conv1d, short_conv_silu
+from megatron_glm5.kernels.short_conv import causal_depthwise_conv1d, short_conv_silu
 from megatron_glm5.models.packing import fla_cu_seqlens, row_cu_seqlens, row_document_starts
 from megatron_glm5.models.context_parallel import cp_group_of, sequence_layout
 from megatron_glm5.models.kda_cp import cp_causal_depthwise_conv1d, cp_chunk_kda
@@ -147,10 +148,10 @@ class KimiDeltaAttention(MegatronModule):
         self.conv_kernel = config.linear_conv_kernel_dim
         self.lower_bound = config.linear_lower_bound
         self.chunk_size = config.kda_chunk_size
-        self.save_intermediates = config.kda_save_intermediates
-        # the fused kernel carries up to MAX_TAPS taps; a wider convolution takes FLA's
-        self.conv_kernel_name = config.kda_conv_kernel if self.conv_kernel <= MAX_TAPS else "fla"
-        self.backend = config.kda_backend
+        plan = plan_of(config)  # the backend, its conv kernel (FLA's for more than MAX_TAPS taps) and what it keeps
+        self.save_intermediates = plan.kda_save_intermediates
+        self.conv_kernel_name = plan.kda_conv_kernel
+        self.backend = plan.kda_backend
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
         device = param_device(config)
 

@@ -11,7 +11,7 @@ Math (``H`` heads, ``dq = qk_head_dim``, ``dv = v_head_dim``, ``r = kv_lora_rank
     o_i     = sum_{j in S_i} softmax_j(q_i . k_j * dq^-0.5) v_j
     out     = o_proj o
 
-Three backends (``config.dsa_backend``) compute the same ``o``:
+Three backends (the execution plan's ``dsa_backend``) compute the same ``o``:
 
 * ``'torch'``: masked dense reference: a boolean ``[b, s, s]`` mask from the selection and
   ``scaled_dot_product_attention`` over expanded per-head K/V. ``O(s^2)`` memory.
@@ -61,6 +61,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
+from megatron_glm5.execution_plan import plan_of
 from megatron_glm5.kernels.sparse_mla import sparse_mla, topk_indices_to_mask
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence
 from megatron_glm5.models.kpool_indexer import KPoolIndexer
@@ -235,7 +236,7 @@ class Glm5DSAttention(MegatronModule):
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
         self.softmax_scale = self.qk_head_dim ** -0.5
-        self.backend = config.dsa_backend
+        self.backend = plan_of(config).dsa_backend
         # layers past the decoder (the MTP layer) always run their own indexer
         idx = layer_number - 1
         self.is_shared = idx < len(config.indexer_types) and config.indexer_types[idx] == "shared"

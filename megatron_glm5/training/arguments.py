@@ -641,7 +641,7 @@ def model_config_from_args(args, device: str):
     import torch
 
     from megatron_glm5.config import Glm5Config
-    from megatron_glm5.models.builder import default_backends
+    from megatron_glm5.execution_plan import default_backends
 
     hf = args.hf_config_dict
     backends = default_backends(device)
