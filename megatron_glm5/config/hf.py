@@ -315,4 +315,5 @@ def _megatron_defaults() -> dict:
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         transformer_impl="local",
+        cuda_graph_modules=[],  # the whole layer, megatron-core's default "full" spelled as it asks (no warning)
     )
