@@ -616,7 +616,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
         except (ValueError, TypeError, AssertionError) as e:
             raise ArgumentError("model config", _flag_names(one_line(e))) from None
         with contextlib.redirect_stdout(megatron_noise):
-            validate_args(args, defaults)
+            # (only the defaults a flag overrides: Megatron-LM warns about every default already set, equal or not)
+            validate_args(args, {k: v for k, v in defaults.items() if getattr(args, k, None) != v})
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
             # only, and megatron-core's Float16Module refused an fp16 model with a traceback
             _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
