@@ -27,7 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_glm5.execution_plan import plan_of
+from megatron_glm5.execution_plan import moe_graph_blockers, plan_of
 from megatron_glm5.models.cuda_graphs import GraphedModule
 from megatron_glm5.models.mhc import HyperConnection, apply_hyper_connection_output
 
@@ -154,7 +154,8 @@ class Glm5TransformerLayer(MegatronModule):
         y, topk = self._attention(x, attention_mask, packed_seq_params, shared_topk_indices)
         streams = apply_hyper_connection_output(y, streams, post, comb, fused=self.plan.mhc_fused and streams.is_cuda)
 
-        if self.mlp_graphs is not None and not self.plan.moe_graph_blockers:
+        # the plan's rule, asked again each step: a config changed after the build (recompute on) runs eagerly
+        if self.mlp_graphs is not None and not moe_graph_blockers(self.config):
             streams = self.mlp_graphs(streams, *(() if padding_mask is None else (padding_mask,)))
         else:
             streams = self._mlp_half(streams, padding_mask)
