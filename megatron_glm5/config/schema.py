@@ -132,9 +132,13 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     video_token_id: int = 154855
     """Video placeholder id (same as image id in some checkpoints; videos are told apart by start/end spans)."""
     image_start_token_id: int = 154830
+    """Token that opens an image's placeholder span."""
     image_end_token_id: int = 154831
+    """Token that closes an image's placeholder span."""
     video_start_token_id: int = 154832
+    """Token that opens a video's placeholder span."""
     video_end_token_id: int = 154833
+    """Token that closes a video's placeholder span."""
 
     # ---- pipeline ----
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
