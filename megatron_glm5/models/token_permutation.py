@@ -37,7 +37,7 @@ which waits correctly), and :func:`sort_chunks_by_idxs` returns its inputs when 
 
 :func:`install` makes megatron-core's dispatchers use all four; the entry points call it
 (:func:`megatron_glm5.initialize.install_patches`), for the megatron-core releases whose dispatcher calls these
-functions with the signatures above (:data:`SUPPORTED_VERSIONS`).
+functions with the signatures above (:data:`SUPPORTED_VERSIONS`, :func:`megatron_glm5.mcore_version.version_in`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 from megatron_glm5.kernels.gather_sum import gather_rows, gather_sum
+from megatron_glm5.mcore_version import MCORE_VERSION, version_in
 
 _upstream_permute = moe_utils.permute
 _upstream_unpermute = moe_utils.unpermute
@@ -188,8 +189,6 @@ def install(version: Optional[str] = None) -> Tuple[str, ...]:
     and the device-side counts of :func:`keeps_counts_on_device` (idempotent) when the installed megatron-core (or
     ``version``) lies in :data:`SUPPORTED_VERSIONS`; returns the names installed (``()`` outside the range, where
     megatron-core's own functions run)."""
-    from megatron_glm5.mcore_fixes import MCORE_VERSION, version_in
-
     if not version_in(SUPPORTED_VERSIONS, version or MCORE_VERSION):
         return ()
     for owner, attr, replacement in PATCHES.values():
