@@ -43,6 +43,9 @@ def run_cli(prog: str, body: Callable[[], Optional[int]]) -> int:
 
     user_errors = (CheckpointError, Glm5ConfigError)
     try:
+        # torch and megatron-core load here, inside the handler (seconds): a Ctrl-C in them is the one line below
+        import megatron_glm5.config  # noqa: F401
+
         return body() or 0
     except KeyboardInterrupt:
         return fail("interrupted", 130)
