@@ -33,7 +33,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training import get_args
     from megatron.training.utils import print_rank_0
 
-    from megatron_glm5.models.builder import build_model, describe_backends
+    from megatron_glm5.execution_plan import resolve_execution_plan
+    from megatron_glm5.models.builder import build_model
     from megatron_glm5.training.arguments import model_config_from_args
     from megatron_glm5.training.flops import register_model_chunk
     from megatron_glm5.training.moe_load_logging import finalize_grads_and_log_expert_loads
@@ -42,8 +43,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = model_config_from_args(args, device)
     config.finalize_model_grads_func = finalize_grads_and_log_expert_loads  # Megatron-LM keeps a func already set
+    config.execution_plan = resolve_execution_plan(config, device, pg_collection)
     if not vp_stage:  # the start-up table of what runs, each fallback with its reason (once, on rank 0)
-        print_rank_0(describe_backends(config, device))
+        print_rank_0(config.execution_plan.table())
     model = build_model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     register_model_chunk(model)  # --log-throughput counts its weights
     if args.freeze_vision and getattr(model, "vision_model", None) is not None:

@@ -48,23 +48,18 @@ from typing import Dict, Tuple
 import torch
 from megatron.core.datasets import blended_dataset, gpt_dataset
 from megatron.core.optimizer import distrib_optimizer
-from megatron.core.package_info import __version__ as MCORE_VERSION
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_glm5.data import index_cache
+from megatron_glm5.mcore_version import MCORE_VERSION, version_in
 
 # first and last megatron-core release known to have every bug above
 AFFECTED_VERSIONS = ("0.16.1", "0.19.2")
 
 
 def needs_fixes(version: str = MCORE_VERSION) -> bool:
-    """Whether megatron-core ``version`` (its release part: ``0.19.2rc1`` counts as 0.19.2) lies in
-    :data:`AFFECTED_VERSIONS`."""
-    from packaging.version import Version
-
-    release = Version(Version(version).base_version).release
-    first, last = (Version(v).release for v in AFFECTED_VERSIONS)
-    return first <= release <= last
+    """Whether megatron-core ``version`` lies in :data:`AFFECTED_VERSIONS`."""
+    return version_in(AFFECTED_VERSIONS, version)
 
 
 def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None):

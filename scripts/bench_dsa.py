@@ -18,8 +18,8 @@ import sys
 
 def _time_indexer(indexer, x, psp, cfg, s: int, iters: int, tiles: str = "") -> None:
     """The layer's indexer alone (it has no backward): fused Triton pool scores, the same with the masking and sort
-    keys in the kernel (``fuse_topk_keys``; the selections compared), and the PyTorch ops; then both fused forms at
-    each scores-kernel tiling of ``tiles`` (``BMxBNxWARPS,...``; a trailing ``b`` adds ``bf16x3``)."""
+    keys in the kernel (the plan's ``indexer_fuse_topk_keys``; the selections compared), and the PyTorch ops; then
+    both fused forms at each scores-kernel tiling of ``tiles`` (``BMxBNxWARPS,...``; a trailing ``b`` adds ``bf16x3``)."""
     import torch
 
     from bench_train_step import cuda_time
@@ -27,14 +27,15 @@ def _time_indexer(indexer, x, psp, cfg, s: int, iters: int, tiles: str = "") -> 
 
     q_resid = torch.randn(s, 1, cfg.q_lora_rank, device=x.device, dtype=x.dtype)
     res, picks = {}, {}
+    plan = indexer.plan
     for name, fused, keys in (("fused scores", True, False), ("fused keys", True, True),
                               ("PyTorch scores", False, False)):
         if not fused and s > 16384:
             continue
-        indexer.use_fused_scores, indexer.fuse_topk_keys = fused, keys
+        indexer.plan = plan.replace(indexer_fused_scores=fused, indexer_fuse_topk_keys=keys)
         picks[name] = indexer(x.detach(), q_resid, packed_seq_params=psp)
         res[name] = cuda_time(lambda: indexer(x.detach(), q_resid, packed_seq_params=psp), iters)
-    indexer.use_fused_scores, indexer.fuse_topk_keys = True, type(indexer).fuse_topk_keys
+    indexer.plan = plan
     same = torch.equal(picks["fused keys"].sort(-1).values, picks["fused scores"].sort(-1).values)
     print(f"    indexer alone seq={s:6d}: " + " | ".join(f"{n} {t:8.1f} ms" for n, t in res.items())
           + f" (fused keys select the same positions: {same})")
@@ -45,14 +46,14 @@ def _time_indexer(indexer, x, psp, cfg, s: int, iters: int, tiles: str = "") -> 
         INDEXER_SCORES_CONFIG.update(BM=bm, BN=bn, num_warps=nw, bf16x3=split)
         line = []
         for name, keys in (("fused scores", False), ("fused keys", True)):
-            indexer.fuse_topk_keys = keys
+            indexer.plan = plan.replace(indexer_fuse_topk_keys=keys)
             got = indexer(x.detach(), q_resid, packed_seq_params=psp)
             ok = torch.equal(got.sort(-1).values, picks[name].sort(-1).values)
             line.append(f"{name} {cuda_time(lambda: indexer(x.detach(), q_resid, packed_seq_params=psp), iters):8.1f}"
                         f" ms{'' if ok else ' (OTHER SELECTION)'}")
         print(f"    indexer alone seq={s:6d} tiles {tile:10s}: " + " | ".join(line))
     INDEXER_SCORES_CONFIG.update(default)
-    indexer.fuse_topk_keys = type(indexer).fuse_topk_keys
+    indexer.plan = plan
 
 
 def main(argv=None) -> int:

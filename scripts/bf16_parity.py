@@ -97,9 +97,10 @@ def main(argv=None) -> int:
     for name, dt, fused_scores, overrides in runs:
         model = build_model_from_hf(ckpt, dtype=dt, device=dev, **overrides)
         for module in model.modules():
-            if hasattr(module, "use_fused_scores"):
-                module.use_fused_scores = fused_scores
-        print(f"{name}: kda_backend={model.config.kda_backend} dsa_backend={model.config.dsa_backend}")
+            if type(module).__name__ == "KPoolIndexer":
+                module.plan = module.plan.replace(indexer_fused_scores=fused_scores)
+        plan = model.config.execution_plan
+        print(f"{name}: kda_backend={plan.kda_backend} dsa_backend={plan.dsa_backend}")
         with torch.no_grad():
             model(ids, packed_seq_params=make_packed_seq_params(cu))
             torch.cuda.synchronize()

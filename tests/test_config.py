@@ -110,3 +110,31 @@ def test_sizes_come_from_the_config():
     c = Glm5Config.from_hf(hf)
     assert (c.num_attention_heads, c.linear_num_heads, c.index_n_heads, c.hc_mult) == (2, 3, 4, 2)
     assert (c.num_moe_experts, c.moe_router_topk, c.index_kpool) == (6, 3, 2)
+
+
+def test_to_hf_dict_writes_only_what_the_model_has():
+    """A dense-only model exports no routed experts or expert width (nothing invented); an MoE model its own; the
+    FP8 block of the source's quantization_config travels with the config (the export quantises with it)."""
+    hf = tiny_hf_config(with_vision=False)
+    text = hf["text_config"]
+    text["mlp_layer_types"] = ["dense"] * text["num_hidden_layers"]
+    for k in ("n_routed_experts", "moe_intermediate_size"):
+        del text[k]
+    d = Glm5Config.from_hf(hf).to_hf_dict()
+    assert "n_routed_experts" not in d["text_config"] and "moe_intermediate_size" not in d["text_config"]
+    assert "quantization_config" not in d
+    moe = Glm5Config.from_hf(tiny_hf_config()).to_hf_dict()["text_config"]
+    assert (moe["n_routed_experts"], moe["moe_intermediate_size"]) == (8, 32)
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 32]}
+    d = Glm5Config.from_hf({**tiny_hf_config(), "quantization_config": q}).to_hf_dict()
+    assert d["quantization_config"] == q
+
+
+def test_export_quantises_with_the_configs_fp8_block():
+    from megatron_glm5.checkpoint.hf_export import FP8_BLOCK, fp8_block, hf_output_config
+
+    assert fp8_block(tiny_hf_config()) == FP8_BLOCK == (128, 128)
+    cfg = {**tiny_hf_config(), "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32]}}
+    assert fp8_block(cfg) == (64, 32)
+    assert hf_output_config(cfg, True, fp8_block(cfg))["quantization_config"]["weight_block_size"] == [64, 32]
+    assert "quantization_config" not in hf_output_config(cfg, False, fp8_block(cfg))

@@ -65,7 +65,7 @@ def test_grouped_matches_sequential_cpu(mcore, force_grouped):
     if force_grouped and not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm missing")
     seq, grp = _moe_pair()
-    grp.experts.force_grouped = force_grouped
+    grp.experts.plan = grp.experts.plan.replace(grouped_experts_on_cpu=force_grouped)
     torch.manual_seed(1)
     s = 7  # 7 tokens x top-2 over 8 experts
     x = torch.randn(s, 1, seq.config.hidden_size)

@@ -114,7 +114,7 @@ def test_indexer_matches_hf_per_document(mcore, monkeypatch, over, antithetic):
     assert dropped > 0, "the indexer never dropped a position; make index_topk smaller"
 
     # Query chunks of 16 (candidate pool ranges per chunk) select the same sets.
-    monkeypatch.setattr(KPoolIndexer, "score_chunk_elements", 1)
+    monkeypatch.setattr(ours, "plan", ours.plan.replace(indexer_score_chunk_elements=1))
     chunked = ours(x.transpose(0, 1), qr.transpose(0, 1), packed_seq_params=make_packed_seq_params(cu))
     assert all(_sets(chunked[0, i]) == _sets(got[0, i]) for i in range(s))
 
@@ -371,10 +371,10 @@ def test_fused_indexer_selects_as_reference_gpu(mcore, monkeypatch, keys):
     qr = torch.randn(s, 1, cfg.q_lora_rank, device="cuda")
     psp = make_packed_seq_params(cu.cuda())
     if keys:
-        monkeypatch.setattr(KPoolIndexer, "score_chunk_elements", 200 * 64)   # several query chunks
-        monkeypatch.setattr(KPoolIndexer, "fuse_topk_keys", True)
+        ix.plan = ix.plan.replace(indexer_score_chunk_elements=200 * 64,   # several query chunks
+                                  indexer_fuse_topk_keys=True)
     fused = ix(x, qr, packed_seq_params=psp)
-    monkeypatch.setattr(KPoolIndexer, "use_fused_scores", False)
+    ix.plan = ix.plan.replace(indexer_fused_scores=False)
     ref = ix(x, qr, packed_seq_params=psp)
     assert all(_sets(fused[0, i]) == _sets(ref[0, i]) for i in range(s))
 
@@ -424,7 +424,7 @@ def test_sparse_backend_is_linear_in_sequence_length(mcore, monkeypatch):
     torch.manual_seed(4)
     cfg, _ = _configs(backend="sparse")
     m = _build(cfg, layer_number=2)
-    monkeypatch.setattr(KPoolIndexer, "score_chunk_elements", 1 << 20)
+    monkeypatch.setattr(m.indexer, "plan", m.indexer.plan.replace(indexer_score_chunk_elements=1 << 20))
 
     def _no_dense(*a, **k):
         raise AssertionError("the sparse backend must not build a dense mask")

@@ -368,3 +368,58 @@ def test_dataset_index_cache_is_read_without_pickle(monkeypatch, tmp_path):
         gpt_dataset.safe_numpy_load(path, allow_pickle=True)  # the deferred read, fixed
     _upstream(monkeypatch, "dataset_cache_gpt_deferred_load")
     assert gpt_dataset.safe_numpy_load(path, allow_pickle=True)[1] == [2]
+
+
+_SITES = r'''
+import json, sys
+from megatron_glm5 import mcore_fixes
+from megatron_glm5.models import token_permutation
+from torch.distributed.checkpoint import default_planner, filesystem
+from megatron.core.dist_checkpointing import serialization
+
+sites = {**{"fix:" + k: (o, a) for k, (o, a, _) in mcore_fixes.FIXES.items()},
+         **{"permutation:" + k: (o, a) for k, (o, a, _) in token_permutation.PATCHES.items()},
+         "dcp:read_metadata": (filesystem.FileSystemReader, "read_metadata"),
+         "dcp:load_bytes": (default_planner.DefaultLoadPlanner, "load_bytes"),
+         "dcp:load_common": (serialization, "load_common")}
+before = {k: getattr(o, a) for k, (o, a) in sites.items()}
+import megatron_glm5.models.builder, megatron_glm5.models.model, megatron_glm5.models.layer_specs  # noqa: E401
+from megatron_glm5.config import Glm5Config, glm5_flash_config, tiny_config, tiny_hf_config
+tiny_config(); glm5_flash_config(); Glm5Config.from_hf(tiny_hf_config(mtp=True), moe_experts_backend="grouped")
+after_config = sorted(k for k, (o, a) in sites.items() if getattr(o, a) is not before[k])
+from megatron_glm5.initialize import install_patches
+install_patches()
+after_install = sorted(k for k, (o, a) in sites.items() if getattr(o, a) is not before[k])
+print(json.dumps({"config": after_config, "install": after_install, "sites": sorted(sites)}))
+'''
+
+
+@needs
+def test_building_a_config_patches_nothing_and_the_entry_points_install_everything():
+    """In a fresh process: importing the model modules and building configs leaves every megatron-core / torch DCP
+    function this project replaces as it was; ``install_patches`` (what every entry point calls) replaces all."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _SITES], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["config"] == []
+    assert got["install"] == got["sites"] and len(got["sites"]) == len(mcore_fixes.FIXES) + 4 + 3
+
+
+def test_token_permutation_version_guard(monkeypatch):
+    from megatron_glm5.models import token_permutation
+
+    for name, (owner, attr, _) in token_permutation.PATCHES.items():  # megatron-core's own, for this test
+        monkeypatch.setattr(owner, attr, token_permutation._upstream_dtoh if attr == "_maybe_dtoh_and_synchronize"
+                            else getattr(token_permutation.moe_utils, attr))
+    assert token_permutation.install("0.20.0") == ()
+    for name, (owner, attr, replacement) in token_permutation.PATCHES.items():
+        assert getattr(owner, attr) is not replacement, name
+    assert token_permutation.install("0.19.2") == tuple(token_permutation.PATCHES)
+    for name, (owner, attr, replacement) in token_permutation.PATCHES.items():
+        assert getattr(owner, attr) is replacement, name

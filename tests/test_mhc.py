@@ -83,7 +83,7 @@ def test_pass_streams_returns_the_input_on_the_torch_path():
     """``forward(streams, pass_streams=True)`` adds the streams for the output side; off the fused CUDA path (and
     with ``mhc_stream_grad_fusion`` off) that is the input tensor itself, so autograd adds the two gradients."""
     ours, _, cfg = _pair(3, 2)
-    ours.stream_grad_fusion = True                       # only the fused CUDA path routes the gradient
+    ours.plan = ours.plan.replace(mhc_stream_grad_fusion=True)  # only the fused CUDA path routes the gradient
     x = torch.randn(5, 2, 3, cfg.hidden_size, requires_grad=True)
     post, comb, col, passed = ours(x, pass_streams=True)
     assert passed is x
@@ -272,13 +272,12 @@ def test_fused_mhc_matches_reference_gpu(n, h, tokens, dtype, stream_grad_fusion
 
     def run(fused, run_dtype):
         mod = copy.deepcopy(hc)
-        mod.use_fused_kernels = fused
-        mod.stream_grad_fusion = stream_grad_fusion and fused
+        mod.plan = mod.plan.replace(mhc_fused=fused, mhc_stream_grad_fusion=stream_grad_fusion and fused)
         mod.fn = torch.nn.Parameter(fn_bits.to(run_dtype))
         s = streams.to(run_dtype).clone().requires_grad_(True)
         y = block_out.to(run_dtype).clone().requires_grad_(True)
         post, comb, col, s_out = mod(s, pass_streams=True)
-        assert (s_out is s) != mod.stream_grad_fusion
+        assert (s_out is s) != mod.plan.mhc_stream_grad_fusion
         new = apply_hyper_connection_output(y, s_out, post, comb, fused=fused)
         assert post.dtype == comb.dtype == torch.float32 and col.dtype == new.dtype == run_dtype
         loss = sum((o.float() * g).sum() for o, g in zip((post, comb, col, new), grads))
@@ -371,7 +370,7 @@ def test_fused_mhc_weights_match_reference_gpu(n, iters, tokens, programs_per_sm
     grads = [torch.randn(tokens, *shape, generator=gen).cuda() for shape in ((n,), (n,), (n, n))]
 
     def run(fused):
-        hc.use_fused_kernels = fused
+        hc.plan = hc.plan.replace(mhc_fused=fused)
         ins = [t.clone().requires_grad_(True) for t in (mixes, base, scale)]
         outs = hc.weights_from_mixes(*ins)
         got = torch.autograd.grad(outs, ins, grads)

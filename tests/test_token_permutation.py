@@ -309,7 +309,7 @@ def test_moe_layer_on_one_rank_keeps_counts_on_device(mcore, monkeypatch):
                              use_cpu_initialization=True)
     torch.manual_seed(0)
     moe = build_module(get_moe_spec(cfg), config=cfg, layer_number=2)
-    moe.experts.force_grouped = hasattr(torch, "_grouped_mm")
+    moe.experts.plan = moe.experts.plan.replace(grouped_experts_on_cpu=hasattr(torch, "_grouped_mm"))
     received = []
     experts_forward = type(moe.experts).forward
     monkeypatch.setattr(type(moe.experts), "forward",

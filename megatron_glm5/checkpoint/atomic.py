@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from typing import Callable, Iterator, Optional, Sequence
 
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 
 TMP_TAG = ".tmp-"
 OLD_TAG = ".old-"

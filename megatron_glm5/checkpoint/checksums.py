@@ -27,7 +27,7 @@ import re
 from typing import Dict, Iterable, Optional, Tuple
 
 from megatron_glm5.checkpoint.cpus import usable_cpus
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 
 MANIFEST_FILE = "checksums.sha256"
 INTEGRITY_FILE = "integrity.json"  # megatron-core's manifest (dist_checkpointing.validation.INTEGRITY_FNAME)

@@ -17,7 +17,7 @@ import json
 import os
 from typing import Dict
 
-from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+from megatron_glm5.errors import CheckpointError, one_line
 from megatron_glm5.checkpoint.safe_load import check_inside, hub_blobs_dir
 
 _MiB = 1 << 20

@@ -18,7 +18,7 @@ from typing import Optional
 
 from megatron_glm5.checkpoint.atomic import atomic_output_dir
 from megatron_glm5.checkpoint.checksums import write_manifest
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_assets import ASSET_FILES, read_hf_assets, write_hf_assets
 from megatron_glm5.checkpoint.safetensors_io import SafetensorsStreamWriter, nbytes
 
@@ -27,6 +27,7 @@ PROG = "convert_mcore_to_hf"
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                            "weight_block_size": [128, 128]}
 FP8_BLOCK = (128, 128)
+"""The FP8 block of an export whose model config declares none (the released checkpoint's)."""
 
 
 class ExportError(CheckpointError):
@@ -34,7 +35,16 @@ class ExportError(CheckpointError):
 
 
 # ------------------------------------------------------------------------------------------ planning
-def output_specs(t, fp8: bool, text_cfg: dict):
+def fp8_block(hf_config: dict, where: str = "hf_config.json"):
+    """The FP8 block the export quantises with: the model config's ``quantization_config.weight_block_size`` (what
+    the import dequantised with, kept in the config by ``Glm5Config.to_hf_dict``), else :data:`FP8_BLOCK`."""
+    from megatron_glm5.checkpoint.hf_io import weight_block_size
+
+    bs = weight_block_size(hf_config, where)
+    return tuple(bs) if bs is not None else FP8_BLOCK
+
+
+def output_specs(t, fp8: bool, text_cfg: dict, block=FP8_BLOCK):
     """[(hf_key, shape, dtype)] that one megatron tensor becomes (FP8 weight followed by its scale grid)."""
     import torch
 
@@ -46,18 +56,18 @@ def output_specs(t, fp8: bool, text_cfg: dict):
         if fp8 and is_fp8_in_release(key, text_cfg):
             if len(shape) != 2:
                 raise ExportError(f"{key}: FP8 keys must be 2-D, got {shape}")
-            grid = (math.ceil(shape[0] / FP8_BLOCK[0]), math.ceil(shape[1] / FP8_BLOCK[1]))
+            grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
             out += [(key, shape, FP8_DTYPE), (key + "_scale_inv", grid, torch.float32)]
         else:
             out.append((key, shape, hf_dtype(key, torch.bfloat16)))
     return out
 
 
-def plan_shards(reader, fp8: bool, shard_bytes: int, text_cfg: dict):
+def plan_shards(reader, fp8: bool, shard_bytes: int, text_cfg: dict, block=FP8_BLOCK):
     """Greedy split of the model's tensors (model order; gate/up halves stay together) into output shards."""
     shards, cur, size = [], [], 0
     for t in reader.tensors:
-        specs = output_specs(t, fp8, text_cfg)
+        specs = output_specs(t, fp8, text_cfg, block)
         b = sum(nbytes(s, d) for _, s, d in specs)
         if cur and size + b > shard_bytes:
             shards.append(cur)
@@ -69,7 +79,7 @@ def plan_shards(reader, fp8: bool, shard_bytes: int, text_cfg: dict):
     return shards
 
 
-def convert_tensor(t, full, fp8: bool, text_cfg: dict):
+def convert_tensor(t, full, fp8: bool, text_cfg: dict, block=FP8_BLOCK):
     """Yield (hf_key, tensor) for one loaded megatron tensor: split, cast, optionally FP8-quantised."""
     import torch
 
@@ -78,20 +88,22 @@ def convert_tensor(t, full, fp8: bool, text_cfg: dict):
 
     for key, part in t.split(full):
         if fp8 and is_fp8_in_release(key, text_cfg):
-            q, scale = quantize_fp8_blockwise(part.float(), FP8_BLOCK)
+            q, scale = quantize_fp8_blockwise(part.float(), block)
             yield key, q
             yield key + "_scale_inv", scale.float().contiguous()
         else:
             yield key, part.to(hf_dtype(key, torch.bfloat16))
 
 
-def hf_output_config(hf_config: dict, fp8: bool) -> dict:
+def hf_output_config(hf_config: dict, fp8: bool, block=FP8_BLOCK) -> dict:
+    """The exported config.json: ``hf_config`` in bf16, with the FP8 ``quantization_config`` of ``block`` when
+    ``fp8``."""
     cfg = json.loads(json.dumps(hf_config))
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = "bfloat16"
     cfg.pop("quantization_config", None)
     if fp8:
-        cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+        cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG, weight_block_size=list(block))
     return cfg
 
 
@@ -127,7 +139,8 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
             raise ExportError(f"--hf-assets {hf_assets}: holds none of {', '.join(ASSET_FILES)}")
         text_cfg = {"num_hidden_layers": reader.config.num_layers, "layer_types": list(reader.config.layer_types)}
         shard_bytes = int(shard_mb * 2 ** 20)
-        shards = plan_shards(reader, fp8, shard_bytes, text_cfg)
+        block = fp8_block(reader.hf_config, os.path.join(reader.load_dir, "hf_config.json"))
+        shards = plan_shards(reader, fp8, shard_bytes, text_cfg, block)
         load_bytes = min(shard_bytes, int(max_load_mb * 2 ** 20))
         total = sum(nbytes(s, d) for shard in shards for _, specs in shard for _, s, d in specs)
         n = len(shards)
@@ -148,7 +161,7 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
                             if full.is_floating_point() and not all_finite(full):
                                 raise ExportError(f"{reader.load_dir}: {t.name} contains NaN/inf")
                             with torch.no_grad():
-                                for key, tensor in convert_tensor(t, full, fp8, text_cfg):
+                                for key, tensor in convert_tensor(t, full, fp8, text_cfg, block):
                                     bar.update(writer.write(key, tensor))
                                     weight_map[key] = fname
                             del full
@@ -167,7 +180,7 @@ def export_hf_checkpoint(load_dir: str, out_dir: str, hf_config=None, fp8: bool 
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh,
                       indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as fh:
-            json.dump(hf_output_config(reader.hf_config, fp8), fh, indent=2, sort_keys=True)
+            json.dump(hf_output_config(reader.hf_config, fp8, block), fh, indent=2, sort_keys=True)
         asset_names = write_hf_assets(assets, tmp)
         write_manifest(tmp, known=digests)
     dt = time.time() - t0

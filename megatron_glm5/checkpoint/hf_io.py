@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_glm5.checkpoint.checksums import verify_manifest
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 from megatron_glm5.checkpoint.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8_blockwise, fp8_nan_count
 from megatron_glm5.checkpoint.hf_keys import canonical_name, hf_to_mcore, is_non_persistent, mcore_to_hf
 from megatron_glm5.checkpoint.safe_load import check_inside, hub_blobs_dir
@@ -57,22 +57,27 @@ def read_json(path: str, what: str = "") -> object:
         raise CheckpointMismatchError(f"{path}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
 
 
-def _block_size(cfg_path: str):
-    if not os.path.exists(cfg_path):
-        return None
-    cfg = read_json(cfg_path)
+def weight_block_size(cfg, where: str):
+    """The FP8 block ``[rows, cols]`` an HF config dict declares (``quantization_config.weight_block_size``), or
+    None; ``where`` names the config in the error."""
     q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
     if q is None:
         return None
     if not isinstance(q, dict):
-        raise CheckpointMismatchError(f"{cfg_path}: quantization_config must be an object")
+        raise CheckpointMismatchError(f"{where}: quantization_config must be an object")
     bs = q.get("weight_block_size")
     if bs is None:
         return None
     if not (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs)):
-        raise CheckpointMismatchError(f"{cfg_path}: quantization_config.weight_block_size must be two positive "
+        raise CheckpointMismatchError(f"{where}: quantization_config.weight_block_size must be two positive "
                                       f"integers, got {bs!r}")
     return bs
+
+
+def _block_size(cfg_path: str):
+    if not os.path.exists(cfg_path):
+        return None
+    return weight_block_size(read_json(cfg_path), cfg_path)
 
 
 def all_finite(t: torch.Tensor) -> bool:

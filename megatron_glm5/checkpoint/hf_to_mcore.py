@@ -38,18 +38,17 @@ from megatron_glm5.checkpoint.atomic import atomic_output_dir
 from megatron_glm5.checkpoint.checksums import write_manifest
 from megatron_glm5.checkpoint.cpus import usable_cpus
 from megatron_glm5.checkpoint.dcp_save import save_streaming
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_assets import read_hf_assets, write_hf_assets
 from megatron_glm5.checkpoint.hf_io import HFCheckpointReader, mtp_notice, validate_hf_checkpoint
 from megatron_glm5.checkpoint.layout import validate_layout
-from megatron_glm5.checkpoint.lazy_sources import model_sources
+from megatron_glm5.checkpoint.lazy_sources import DTYPES, MTP_INIT_SEED, conversion_sources  # noqa: F401
 from megatron_glm5.checkpoint.megatron_layout import RELEASE, write_release_tracker
+from megatron_glm5.checkpoint.workers import run_workers
 from megatron_glm5.config import Glm5Config
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HF_CONFIG_FNAME = "hf_config.json"
 INFO_FNAME = "conversion_info.json"
-MTP_INIT_SEED = 1234
 
 
 class ConversionInputError(CheckpointError):
@@ -66,35 +65,6 @@ def mtp_plan(cfg: Glm5Config, reader: HFCheckpointReader, mtp_init: bool) -> boo
         raise ConversionInputError("--mtp-init: the checkpoint already holds MTP weights "
                                    f"(model.language_model.layers.{cfg.num_layers}.*)")
     return declared and (present or mtp_init)
-
-
-def _fresh_mtp_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
-    """A newly initialised MTP block (megatron's own init, fp32, CPU, fixed seed) -> {canonical name: tensor}."""
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
-
-    from megatron_glm5.models.layer_specs import get_mtp_block_spec
-
-    cfg = Glm5Config.from_hf(hf_dir, use_cpu_initialization=True, perform_initialization=True,
-                             params_dtype=torch.float32, kda_backend="torch", dsa_backend="torch")
-    torch.manual_seed(MTP_INIT_SEED)
-    tensor_parallel.model_parallel_cuda_manual_seed(MTP_INIT_SEED)
-    block = MultiTokenPredictionBlock(config=cfg, spec=get_mtp_block_spec(cfg))
-    return {"mtp." + k: v.detach() for k, v in block.state_dict().items() if torch.is_tensor(v)}
-
-
-def conversion_sources(hf_dir: str, dtype: torch.dtype, mtp: bool, mtp_init: bool):
-    """(config, meta model, sources) of the converted model; with ``mtp_init`` the MTP sources carry fresh data."""
-    from megatron_glm5.models.builder import build_meta_model
-
-    model = build_meta_model(hf_dir, dtype, **({} if mtp else {"mtp_num_layers": None}))
-    sources = model_sources(model, dtype)
-    if mtp_init:
-        fresh = _fresh_mtp_tensors(hf_dir)
-        for s in sources.values():
-            if s.local.startswith("mtp."):
-                s.fresh = fresh[s.local]
-    return model.config, model, sources
 
 
 def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int = 1, pp: int = 1, ep: int = 1,
@@ -153,8 +123,6 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: str = "bf16", tp: int 
                     stats = save_streaming(model, sources, reader, tmp, on_bytes=bar.update if bar else None,
                                            final_dir=final_dir, threads=threads)
                 else:
-                    from megatron_glm5.checkpoint.workers import run_workers
-
                     del model
                     gc.collect()
                     stats = run_workers(workers, hf_dir, tmp, dtype, bar.update if bar else None, final_dir, mtp,

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 from megatron_glm5.config import Glm5Config
 
 

@@ -281,3 +281,39 @@ def prepare_sharded_state_dict(model: torch.nn.Module, sources: Dict[str, Tensor
         if isinstance(v, ShardedTensorFactory):
             raise RuntimeError(f"unapplied factory {v.key}")
     return ssd, lazy, mine, sum(load)
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The converter's ``--dtype`` names."""
+MTP_INIT_SEED = 1234
+"""Seed of a freshly initialised MTP block (``--mtp-init``)."""
+
+
+def _fresh_mtp_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """A newly initialised MTP block (megatron's own init, fp32, CPU, fixed seed) -> {canonical name: tensor}."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    from megatron_glm5.config import Glm5Config
+    from megatron_glm5.models.layer_specs import get_mtp_block_spec
+
+    cfg = Glm5Config.from_hf(hf_dir, use_cpu_initialization=True, perform_initialization=True,
+                             params_dtype=torch.float32, kda_backend="torch", dsa_backend="torch")
+    torch.manual_seed(MTP_INIT_SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(MTP_INIT_SEED)
+    block = MultiTokenPredictionBlock(config=cfg, spec=get_mtp_block_spec(cfg))
+    return {"mtp." + k: v.detach() for k, v in block.state_dict().items() if torch.is_tensor(v)}
+
+
+def conversion_sources(hf_dir: str, dtype: torch.dtype, mtp: bool, mtp_init: bool):
+    """(config, meta model, sources) of the converted model; with ``mtp_init`` the MTP sources carry fresh data."""
+    from megatron_glm5.models.builder import build_meta_model
+
+    model = build_meta_model(hf_dir, dtype, **({} if mtp else {"mtp_num_layers": None}))
+    sources = model_sources(model, dtype)
+    if mtp_init:
+        fresh = _fresh_mtp_tensors(hf_dir)
+        for s in sources.values():
+            if s.local.startswith("mtp."):
+                s.fresh = fresh[s.local]
+    return model.config, model, sources

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_glm5.checkpoint.checksums import verify_manifest
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_keys import canonical_name, is_fp32_island_hf, is_non_persistent, mcore_to_hf
 from megatron_glm5.checkpoint.megatron_layout import resolve_checkpoint_dir
 from megatron_glm5.checkpoint.safe_load import SafeFileSystemReader
@@ -168,7 +168,7 @@ class McoreCheckpointReader:
     # -------------------------------------------------------------------------------------------- setup
     @staticmethod
     def _build_meta_model(hf_config: dict):
-        from megatron_glm5.config import Glm5ConfigError
+        from megatron_glm5.errors import Glm5ConfigError
         from megatron_glm5.models.builder import build_meta_model
 
         try:

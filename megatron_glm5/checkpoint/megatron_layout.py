@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+from megatron_glm5.errors import CheckpointError, one_line
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"

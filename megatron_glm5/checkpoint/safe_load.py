@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+from megatron_glm5.errors import CheckpointError, one_line
 
 DCP_METADATA_FILE = ".metadata"
 _MAX_METADATA_BYTES = 1 << 30

@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_glm5.checkpoint.checksums import HashingFile
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 
 DTYPES: Dict[str, torch.dtype] = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,

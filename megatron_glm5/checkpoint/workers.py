@@ -16,7 +16,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_glm5.checkpoint.cpus import usable_cpus
-from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+from megatron_glm5.errors import CheckpointError, one_line
 
 
 class WorkerInputError(CheckpointError):
@@ -26,7 +26,7 @@ class WorkerInputError(CheckpointError):
 def _worker_entry(rank: int, world: int, port: int, hf_dir: str, out_dir: str, dtype_name: str, q,
                   final_dir: Optional[str], mtp: bool, mtp_init: bool, threads: int) -> None:
     """One of ``workers`` processes: gloo group of ``world``, meta model, write the owned tensors."""
-    from megatron_glm5.cli.common import quiet_library_warnings
+    from megatron_glm5.errors import quiet_library_warnings
 
     quiet_library_warnings()
     # the conversion is CPU work over a gloo group: GPUs stay hidden (a worker rank is no GPU index; with CUDA
@@ -40,7 +40,7 @@ def _worker_entry(rank: int, world: int, port: int, hf_dir: str, out_dir: str, d
         gc.freeze()  # the imported objects are never garbage: full collections skip them
     from megatron_glm5.checkpoint.dcp_save import save_streaming
     from megatron_glm5.checkpoint.hf_io import HFCheckpointReader
-    from megatron_glm5.checkpoint.hf_to_mcore import DTYPES, conversion_sources
+    from megatron_glm5.checkpoint.lazy_sources import DTYPES, conversion_sources
     from megatron_glm5.initialize import destroy_megatron, initialize_megatron
 
     code = 0

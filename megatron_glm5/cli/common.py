@@ -14,13 +14,11 @@ the user otherwise.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-import warnings
 from typing import Callable, Optional
 
-from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+from megatron_glm5.errors import CheckpointError, Glm5ConfigError, one_line, quiet_library_warnings  # noqa: F401 (the tools take it from here)
 
 TRACEBACK_ENV = "MEGATRON_GLM5_TRACEBACK"
 
@@ -35,17 +33,6 @@ def stderr_line(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def quiet_library_warnings() -> None:
-    """Keep stderr to progress, notices and the error line: megatron warns about missing TE / Apex on import, and
-    megatron-core's import of ``torch.utils.cpp_extension`` logs "No CUDA runtime is found" where a CUDA toolkit is
-    installed but no GPU is visible (CPU machines, the converter's workers)."""
-    for mod in (r"megatron(\..*)?", r"torch(\..*)?", r"transformers(\..*)?"):
-        for cat in (UserWarning, FutureWarning, DeprecationWarning):
-            warnings.filterwarnings("ignore", category=cat, module=mod)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-
-
 def run_cli(prog: str, body: Callable[[], Optional[int]]) -> int:
     """Run ``body`` and turn its exceptions into one stderr line and an exit code (a Ctrl-C while torch is still
     being imported included)."""
@@ -54,11 +41,11 @@ def run_cli(prog: str, body: Callable[[], Optional[int]]) -> int:
         print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
         return code
 
-    user_errors = (CheckpointError,)
+    user_errors = (CheckpointError, Glm5ConfigError)
     try:
-        from megatron_glm5.config import Glm5ConfigError  # imports torch: seconds
+        # torch and megatron-core load here, inside the handler (seconds): a Ctrl-C in them is the one line below
+        import megatron_glm5.config  # noqa: F401
 
-        user_errors = (CheckpointError, Glm5ConfigError)
         return body() or 0
     except KeyboardInterrupt:
         return fail("interrupted", 130)

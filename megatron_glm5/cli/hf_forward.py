@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 from megatron_glm5.cli.common import OneLineArgumentParser, quiet_library_warnings, run_cli, stderr_line
 
 PROG = "hf_forward"

@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     quiet_library_warnings()
 
     def body():
-        from megatron_glm5.checkpoint.errors import CheckpointError
+        from megatron_glm5.errors import CheckpointError
         from megatron_glm5.config import tiny_hf_config
 
         if a.layers < 2:

@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     from megatron_glm5.cli.common import quiet_library_warnings
 
     quiet_library_warnings()  # no Transformer Engine / Apex / CUDA notices
-    from megatron_glm5.checkpoint.errors import CheckpointError
+    from megatron_glm5.errors import CheckpointError
     from megatron_glm5.cli.common import TRACEBACK_ENV
     from megatron_glm5.data import DataError
 

@@ -11,8 +11,6 @@ Untrusted input is checked where it is read: ``indexed.py`` (``.bin`` / ``.idx``
 """
 
 
-class DataError(ValueError):
-    """Bad data input (a missing file, a malformed record, a tokenizer that does not fit the model).
+from megatron_glm5.errors import DataError
 
-    The message is one line that names the input and the reason; entry points print it and exit 2.
-    """
+__all__ = ["DataError"]

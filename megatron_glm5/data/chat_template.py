@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megatron_glm5.cli import one_line
+from megatron_glm5.errors import one_line
 from megatron_glm5.data import DataError
 from megatron_glm5.data.jsonl import parse_json
 

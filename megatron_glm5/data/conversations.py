@@ -50,7 +50,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from megatron_glm5.cli import one_line
+from megatron_glm5.errors import one_line
 from megatron_glm5.data import DataError
 from megatron_glm5.data.jsonl import parse_json, text_field
 from megatron_glm5.data.vqa import (ImageRef, PackedVQADataset, data_files, media_path, placeholder_ids,

@@ -70,7 +70,7 @@ def build_energon_loader(path: str, documents, seq_length: int, pad_id: int, mic
                                max_samples_per_sequence=None, packing_buffer_size=packing_buffer,
                                worker_config=worker_config, task_encoder=encoder)
     except (FileNotFoundError, ValueError, TypeError, KeyError, AssertionError) as e:
-        from megatron_glm5.cli import one_line
+        from megatron_glm5.errors import one_line
 
         raise DataError(f"--data-path {path}: not a usable Energon dataset ({one_line(e)})") from None
     return EnergonIterator(get_savable_loader(ds, worker_config=worker_config))
@@ -79,7 +79,7 @@ def build_energon_loader(path: str, documents, seq_length: int, pad_id: int, mic
 def _notice(e: Exception, sample, sources=None) -> None:
     """Energon's error handler for a sample that fails inside its pipeline (a part that does not parse, a field
     map that does not match): one notice line naming the sample's files, no traceback; the sample is skipped."""
-    from megatron_glm5.cli import one_line
+    from megatron_glm5.errors import one_line
 
     names = ", ".join(f"{s.dataset_path}/{s.shard_name}:{'+'.join(s.file_names)}" for s in (sources or [])[:2])
     print(f"notice: {names or 'an Energon sample'}: {one_line(e)}: sample skipped", flush=True)
@@ -211,7 +211,7 @@ def decode_state(text: str, where: str):
     try:
         return dec(json.loads(text))
     except (ValueError, TypeError, KeyError, AttributeError, ImportError, binascii.Error, RecursionError) as e:
-        from megatron_glm5.cli import one_line
+        from megatron_glm5.errors import one_line
 
         raise DataError(f"{where}: not an Energon loader state this program wrote ({one_line(e)})") from None
 
@@ -220,7 +220,7 @@ def load_state(path: str):
     """The loader state a checkpoint holds (``torch.load`` with ``weights_only``: a dict holding JSON text)."""
     import torch
 
-    from megatron_glm5.cli import one_line
+    from megatron_glm5.errors import one_line
 
     if not os.path.isfile(path):
         raise DataError(f"{path} not found: the checkpoint holds no Energon loader state for this data-parallel "
@@ -294,7 +294,7 @@ def _classes():
 
         @stateless
         def encode_sample(self, sample):
-            from megatron_glm5.cli import one_line
+            from megatron_glm5.errors import one_line
 
             where = f"{getattr(sample, '__key__', '?')}"
             try:

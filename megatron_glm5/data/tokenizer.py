@@ -17,7 +17,7 @@ import os
 from collections import OrderedDict
 from typing import Iterable, List, Sequence
 
-from megatron_glm5.cli import one_line
+from megatron_glm5.errors import one_line
 from megatron_glm5.data import DataError
 
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_glm5.cli import one_line
+from megatron_glm5.errors import one_line
 from megatron_glm5.data import DataError
 from megatron_glm5.data.media import MediaRef
 

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_glm5.cli import one_line
+from megatron_glm5.errors import one_line
 from megatron_glm5.data import DataError
 from megatron_glm5.data.jsonl import parse_json, text_field
 from megatron_glm5.data.media import MediaRef

@@ -1,6 +1,6 @@
 """KDA's short convolution with its SiLU, ``silu(causal depthwise conv1d(x))``, as one Triton kernel each way.
 
-Reference: :func:`short_conv_silu_reference` (``models.kda.causal_depthwise_conv1d`` then SiLU)::
+Reference: :func:`short_conv_silu_reference` (:func:`causal_depthwise_conv1d` then SiLU)::
 
     pre[t, c] = sum_{j < W, t - j >= start(t)} w[c, W - 1 - j] x[t - j, c]      (fp32)
     y[t, c]   = silu(pre[t, c])                                                  -> x.dtype
@@ -31,10 +31,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
+from megatron_glm5.models.packing import document_starts
 
-__all__ = ["HAVE_TRITON", "MAX_TAPS", "SHORT_CONV_CONFIG", "short_conv_silu", "short_conv_silu_reference"]
+__all__ = ["HAVE_TRITON", "MAX_TAPS", "SHORT_CONV_CONFIG", "causal_depthwise_conv1d", "short_conv_silu",
+           "short_conv_silu_reference"]
 
 SHORT_CONV_CONFIG = dict(fwd=dict(BT=16, BC=128, num_warps=4), bwd=dict(ROWS=128, BC=256, num_warps=2))
 """Tilings. Forward: ``[BT rows, BC channels]`` tiles (84 registers a thread on sm_90 at 16 x 128, no spills).
@@ -43,12 +46,45 @@ MAX_TAPS = 4
 """The backward kernel carries three earlier rows: convolutions up to 4 taps wide (wider ones take FLA's)."""
 
 
+def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor,
+                            cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal depthwise 1-D convolution with a per-document reset (no bias, no activation).
+
+    Args:
+        x: ``[b, s, c]`` input.
+        weight: ``[c, W]`` (or the checkpoint layout ``[c, 1, W]``); ``weight[:, W - 1]`` multiplies the current
+            token and ``weight[:, W - 1 - j]`` the token ``j`` positions back (``F.conv1d`` with ``W - 1`` left
+            zero padding).
+        cu_seqlens: optional int ``[n_docs + 1]`` boundaries along ``s`` (shared by all batch rows). A tap that
+            would reach into an earlier document reads zero, like the padding at the row start.
+
+    Returns:
+        ``[b, s, c]`` in ``weight.dtype`` (HF runs the conv in the fp32 weight's precision).
+    """
+    if weight.dim() == 3:
+        weight = weight.squeeze(1)
+    b, s, c = x.shape
+    if weight.shape[0] != c:
+        raise ValueError(f"conv weight has {weight.shape[0]} channels, input has {c}")
+    width = weight.shape[-1]
+    x = x.to(weight.dtype)
+    pos = torch.arange(s, device=x.device)
+    if cu_seqlens is None:
+        offset = pos
+    else:
+        offset = pos - document_starts(cu_seqlens.to(x.device), s)  # position inside its document
+    out = x * weight[:, width - 1]
+    for j in range(1, min(width, s + 1)):
+        shifted = F.pad(x, (0, 0, j, 0))[:, :s]  # shifted[:, t] = x[:, t - j]
+        valid = (offset >= j).to(x.dtype)[None, :, None]
+        out = out + shifted * valid * weight[:, width - 1 - j]
+    return out
+
+
 def short_conv_silu_reference(x: torch.Tensor, weight: torch.Tensor,
                               cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """PyTorch reference: ``x [b, s, c]``, ``weight [c, W]`` (or ``[c, 1, W]``), optional ``cu_seqlens`` of a
     packed row -> ``silu(conv)`` ``[b, s, c]`` in ``x.dtype`` (the conv and SiLU in the weight's precision)."""
-    from megatron_glm5.models.kda import causal_depthwise_conv1d  # the one home of the convolution's math
-
     return torch.nn.functional.silu(causal_depthwise_conv1d(x, weight, cu_seqlens)).to(x.dtype)
 
 

@@ -71,7 +71,7 @@ def device_limits(index: int) -> Tuple[int, bool]:
     sm_90 budget :data:`_SMEM_BUDGET` where the device's opt-in per-block shared memory allows it, else that maximum
     less 8 KiB (the compiler's own use; A100: 155 KiB, sm_86 / sm_89: 91 KiB); ``red.global.add.v4.f32`` from
     compute capability 9.0 on (older devices take scalar atomics). With these the kernels compile on any device
-    Triton supports; ``models.builder.default_backends`` still picks them only on sm_90."""
+    Triton supports; the execution plan still picks them only on sm_90."""
     props = torch.cuda.get_device_properties(index)
     optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0) or _SMEM_BUDGET + 8 * 1024
     return min(_SMEM_BUDGET, optin - 8 * 1024), (props.major, props.minor) >= (9, 0)
@@ -85,6 +85,16 @@ _LN2 = 0.6931471805599453
 
 
 # ============================================================================ PyTorch reference
+def topk_indices_to_mask(topk_indices: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """Boolean ``[b, s, kv_length]`` mask (True = attend) from ``topk_indices [b, s, w]`` (``-1`` = unused)."""
+    b, s, _ = topk_indices.shape
+    idx = topk_indices.long()
+    idx = torch.where((idx >= 0) & (idx < kv_length), idx, kv_length)
+    mask = torch.zeros(b, s, kv_length + 1, dtype=torch.bool, device=topk_indices.device)
+    mask.scatter_(-1, idx, True)
+    return mask[..., :kv_length]
+
+
 def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor,
                          scale: float, return_lse: bool = False):
     """Masked dense reference of :func:`sparse_mla` in fp32 (duplicates count once). ``O(s^2)`` memory.
@@ -97,8 +107,6 @@ def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices
         ``[b, s, H, R]`` in ``q_lat.dtype``; rows with an empty selection are zero. With ``return_lse``:
         ``(out, lse [b, s, H] fp32)``, natural log, ``+inf`` on empty rows.
     """
-    from megatron_glm5.models.kpool_dsa import topk_indices_to_mask
-
     t = kv_lat.shape[1]
     mask = topk_indices_to_mask(topk_indices, t)                                  # [b, s, t]
     has_any = mask.any(-1)                                                        # [b, s]

@@ -13,111 +13,31 @@ from megatron.core.tensor_parallel.layers import (
 )
 
 from megatron_glm5.config import Glm5Config
+from megatron_glm5.execution_plan import (  # noqa: F401 (the plan's names, as the tools and tests know them here)
+    FAST_BACKENDS,
+    HOPPER,
+    backend_fallbacks,
+    default_backends,
+    resolve_execution_plan,
+)
 # imported here, not lazily: a first import under ``with torch.device("meta")`` would create megatron's module-level
 # tensors (MTPLossAutoScaler.main_loss_backward_scale) on the meta device
 from megatron_glm5.models.model import Glm5Model
 
 
-FAST_BACKENDS = {"kda_backend": "fla_fused", "dsa_backend": "fused", "moe_experts_backend": "grouped",
-                 "moe_cuda_graph": True}
-"""The CUDA fast path of each backend setting (what :func:`default_backends` picks where nothing is missing)."""
-
-HOPPER = (9, 0)
-
-
-def backend_fallbacks(device: str) -> dict:
-    """Why :func:`default_backends` does not pick a setting's fast path on ``device``: ``{setting: one line}``,
-    empty on a Hopper (sm_90) CUDA device with triton and FLA. Without CUDA every setting is the PyTorch reference;
-    without ``triton`` the sparse MLA kernel and FLA are out; without FLA's ``fla.ops.kda`` the KDA layer runs its
-    PyTorch chunked form; below compute capability 9.0 DSA runs the masked dense reference (the sparse MLA kernel
-    and its tilings are written for sm_90: vector reductions, ~200 KiB of shared memory a program)."""
-    if str(device).split(":")[0] != "cuda":
-        return {k: "no CUDA device: the PyTorch reference" for k in FAST_BACKENDS}
-    from megatron_glm5.checkpoint.errors import one_line
-
-    out = {}
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure: say which
-        why = f"'import triton' failed ({type(e).__name__}: {one_line(e, 160)}): the PyTorch reference"
-        return {"dsa_backend": why, "kda_backend": why}
-    major, minor = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else HOPPER
-    if (major, minor) < HOPPER:
-        out["dsa_backend"] = (f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; the sparse MLA kernel is "
-                              f"tuned for sm_90 (Hopper): the masked dense reference, memory quadratic in length")
-    try:
-        import fla.ops.kda  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        out["kda_backend"] = (f"'import fla.ops.kda' failed ({type(e).__name__}: {one_line(e, 160)}); install "
-                              f"flash-linear-attention==0.6.0 fla-core==0.6.0: the PyTorch chunked KDA")
-    return out
-
-
-def default_backends(device: str) -> dict:
-    """Fast paths where they are available, on CUDA: the Triton sparse MLA kernel for DSA (on sm_90), grouped-GEMM
-    experts and ``kda_backend='fla_fused'`` for KDA (FLA's conv / in-kernel gates / fused gated norm around
-    chunk_kda); the PyTorch references (and megatron-core's SequentialMLP) elsewhere, for the reasons
-    :func:`backend_fallbacks` gives (:func:`describe_backends` prints them). (The mHC, expert-GLU, RMSNorm and
-    cross-entropy Triton kernels need no backend setting: they run whenever the tensors are on CUDA and triton is
-    installed.) With 'fla_fused', ``kda_save_intermediates`` keeps ``chunk_kda``'s forward intermediates for its
-    backward (H200, 2026-12-04: the 8K proxy step 279.3 -> 273.0 ms, peak +3.4 GiB for three KDA layers).
-    ``moe_cuda_graph`` (the MoE layers as replayed CUDA graphs, ``models/cuda_graphs.py``) is on for CUDA: layers that
-    cannot run as graphs (collectives inside the layer, aux losses, recompute) still run eagerly."""
-    reference = {"kda_backend": "torch", "dsa_backend": "torch", "moe_experts_backend": "sequential",
-                 "moe_cuda_graph": False}
-    if str(device).split(":")[0] != "cuda":
-        return reference
-    fallbacks = backend_fallbacks(device)
-    out = dict(reference, moe_experts_backend="grouped", moe_cuda_graph=True)
-    if "dsa_backend" not in fallbacks:
-        out["dsa_backend"] = "fused"
-    if "kda_backend" not in fallbacks:
-        out["kda_backend"] = "fla_fused"
-        out["kda_save_intermediates"] = True
-    return out
-
-
 def describe_backends(config: Glm5Config, device: str) -> str:
-    """The start-up table of what runs for ``config`` on ``device``: each backend setting with ``fast path`` or
-    ``fallback: <one line why>`` (:func:`backend_fallbacks`; ``set by flag or config`` where the setting was chosen
-    against an available fast path), the MoE CUDA graphs with what blocks them (``cuda_graphs.moe_graph_blockers``),
-    and whether the Triton kernels (mHC, expert GLU, RMSNorm, cross entropy, short convolution, indexer scores)
-    run."""
-    from megatron_glm5.kernels.triton_support import HAVE_TRITON
-    from megatron_glm5.models.cuda_graphs import moe_graph_blockers
-
-    cuda = str(device).split(":")[0] == "cuda" and torch.cuda.is_available()
-    where = (f"{torch.cuda.get_device_name(device)}, sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-             if cuda else "CPU")
-    fallbacks = backend_fallbacks(device)
-    lines = [f"megatron_glm5 backends ({where}):"]
-    for key, fast in FAST_BACKENDS.items():
-        value = getattr(config, key, None)
-        if key == "moe_cuda_graph" and not config.num_moe_experts:
-            state = "no MoE layers"
-        elif key == "moe_cuda_graph" and value and moe_graph_blockers(config):
-            state = f"fallback: the MoE layers run eagerly: graphs are blocked by {', '.join(moe_graph_blockers(config))}"
-        elif value == fast:
-            state = "fast path"
-        elif key in fallbacks:
-            state = f"fallback: {fallbacks[key]}"
-        else:
-            state = f"set by flag or config (fast path: {fast})"
-        lines.append(f"  {key:<20} {str(value):<10} {state}")
-    if not cuda:
-        kernels = "fallback: no CUDA device: the PyTorch references"
-    elif not HAVE_TRITON:
-        kernels = "fallback: 'import triton' failed: the PyTorch references"
-    else:
-        kernels = "fast path"
-    lines.append(f"  {'triton kernels':<20} {str(cuda and HAVE_TRITON):<10} {kernels} (mHC, expert GLU, RMSNorm, "
-                 f"cross entropy, short convolution, indexer scores)")
-    return "\n".join(lines)
+    """The start-up table of what runs for ``config`` on ``device``: :meth:`ExecutionPlan.table` of the plan
+    :func:`~megatron_glm5.execution_plan.resolve_execution_plan` gives (each setting with ``fast path``,
+    ``fallback: <one line why>`` or ``set by flag or config``)."""
+    return resolve_execution_plan(config, device).table()
 
 
 def build_model(config: Glm5Config, pre_process: bool = True, post_process: bool = True,
                 vp_stage: Optional[int] = None, parallel_output: bool = True):
-    """Glm5Model for this rank (megatron parallel state must be initialised)."""
+    """Glm5Model for this rank (megatron parallel state must be initialised). A config without an execution plan gets
+    the plan of this process's device (:func:`~megatron_glm5.execution_plan.resolve_execution_plan`)."""
+    if config.execution_plan is None:
+        config.execution_plan = resolve_execution_plan(config)
     model = Glm5Model(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                       parallel_output=parallel_output)
     ensure_tp_attributes(model)
@@ -194,8 +114,7 @@ def build_model_from_hf(hf_dir: str, dtype: torch.dtype = torch.float32, device:
     from megatron_glm5.initialize import ensure_initialized
 
     ensure_initialized()
-    kw = dict(default_backends(device))
-    kw.update(use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.float32)
+    kw = dict(use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.float32)
     kw.update(overrides)
     cfg = Glm5Config.from_hf(hf_dir, **kw)
     reader = HFCheckpointReader(hf_dir)
@@ -206,6 +125,7 @@ def build_model_from_hf(hf_dir: str, dtype: torch.dtype = torch.float32, device:
         cfg = Glm5Config.from_hf(hf_dir, **{**kw, "mtp_num_layers": None})
     if dtype == torch.bfloat16:
         cfg.bf16 = True
+    cfg.execution_plan = resolve_execution_plan(cfg, device)
     model = build_model(cfg, parallel_output=parallel_output)
     load_hf_checkpoint(model, hf_dir, reader=reader)
     model.to_dtype(dtype)

@@ -1,10 +1,10 @@
-"""A module's forward and backward captured as CUDA graphs and replayed in its place (``config.moe_cuda_graph``).
+"""A module's forward and backward captured as CUDA graphs and replayed in its place (the plan's ``moe_cuda_graph``).
 
 Why: a GLM MoE layer (megatron-core's ``MoELayer``: router, top-k, token permutation, grouped expert GEMMs,
 unpermutation, shared expert) launches about a hundred small kernels forward, and the Python that launches them
 costs more host time than the GPU needs for them at a few thousand tokens per step, so the forward waits for the
-host (H200, 2026-12-04: at 4K tokens the step's forward took 55 ms of host time for ~45 ms of kernels, the MoE
-layers about a third of that host time). A replayed graph launches the whole layer at once. The transformer layer
+host (on an H200 at 4K tokens the step's forward takes ~55 ms of host time for ~45 ms of kernels when run eagerly,
+the MoE layers about a third of that host time). A replayed graph launches the whole layer at once. The transformer layer
 graphs its whole MLP half (``Glm5TransformerLayer._mlp_half``: the mHC input side, norm, MoE layer and mHC output
 side, residual streams in and out): the mHC's Python costs about as much host time as the MoE layer's did.
 
@@ -37,21 +37,15 @@ is copied out of the pool (callers may keep it). What makes a replay wrong is ca
 * **cuBLAS workspaces.** Each capture runs inside :func:`cublas_workspaces_of_capture`, so the workspace its
   GEMMs bake in is its own, not the one cached for PyTorch's shared capture stream by an earlier capture.
 
-Status (2026-12-04): on by default with CUDA (``models.builder.default_backends``). On an H200 the 4K-token proxy
-step went from 178.7 to 159.8 ms with it (2K: 106.1 ms, 8K: 293.2 ms, every loss finite). Before the workspace
-scoping, a 2K-token run gave NaN weight gradients to experts 8 and 9 of the first graphed layer: exactly the 32 MiB
-stretch [1392, 1424) MiB of its fc2 gradients, cuBLAS's Hopper workspace size; with the scoping the same probe is
-finite (docs/performance.md, "MoE CUDA graphs and cuBLAS's workspace"). On the H200 the GPU tests of
-``tests/test_cuda_graphs.py`` pass; the training-loop test failed only its loss tolerance at the harness's lr 1e-2
-(run-to-run noise of the GPU run itself is as large) and now runs at lr 1e-3, whose runs were checked outside
-pytest (same commands; losses within 4.1e-4 over four steps). With the whole MLP half graphed (2026-12-04,
-seventh session) the 4K step's forward took 20.9 ms of host time instead of 25.8 and the GPU idled 6.2 ms in it
-instead of 13.7 (separate machines; every loss finite, the same losses as the MoE-only graphs to the third
-decimal); ``tests/test_cuda_graphs.py`` has not run on a GPU with that scope yet.
+On CUDA the execution plan turns it on (``megatron_glm5.execution_plan``); docs/performance.md has the measured
+step times with and without it. Each capture's GEMMs get their own cuBLAS workspace (above): with a workspace shared
+between captures, a later capture overwrote a 32 MiB stretch of an earlier graph's expert weight gradients (NaN),
+exactly cuBLAS's Hopper workspace size.
 
 Calls outside training (``module.training`` off, autograd off, autocast on, an input without gradient, a CPU
-tensor, or while another graph is being captured) run eagerly. Callers decide eligibility that depends on the model
-(:func:`moe_graph_blockers`): collectives, aux losses that log through Python state, activation recompute.
+tensor, or while another graph is being captured) run eagerly. Eligibility that depends on the model is the
+execution plan's (:func:`megatron_glm5.execution_plan.moe_graph_blockers`): collectives, aux losses that log
+through Python state, activation recompute.
 """
 
 from __future__ import annotations
@@ -63,36 +57,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_glm5.execution_plan import moe_graph_blockers
+
 __all__ = ["GraphedModule", "aliased_parameters", "cublas_workspaces_of_capture", "describe_graphed_modules",
            "graphed_modules", "moe_graph_blockers"]
 
 log = logging.getLogger(__name__)
-
-
-def moe_graph_blockers(config) -> List[str]:
-    """Why an MoE layer built from ``config`` cannot run as CUDA graphs (empty: it can). Graphs hold no
-    collectives here (no EP / expert-TP / TP / CP communication inside the layer), no aux or z-loss (their logging
-    goes through megatron's Python-side tracker), no token dropping (capacity) and no activation recompute (the
-    recompute pass would capture inside autograd's backward)."""
-    out = []
-    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
-                 "context_parallel_size"):
-        if (getattr(config, name, 1) or 1) != 1:
-            out.append(f"{name}={getattr(config, name)}")
-    if getattr(config, "moe_router_load_balancing_type", "none") not in (None, "none") and \
-            (getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0) != 0.0:
-        out.append("an aux loss")
-    if getattr(config, "moe_z_loss_coeff", None):
-        out.append("a z-loss")
-    if getattr(config, "moe_expert_capacity_factor", None) is not None:
-        out.append("token dropping (moe_expert_capacity_factor)")
-    if getattr(config, "moe_router_force_load_balancing", False) or getattr(config, "moe_input_jitter_eps", None):
-        out.append("random routing")
-    if getattr(config, "recompute_granularity", None) is not None:
-        out.append(f"recompute_granularity={config.recompute_granularity}")
-    if getattr(config, "moe_shared_expert_overlap", False):
-        out.append("moe_shared_expert_overlap")
-    return out
 
 
 @contextlib.contextmanager

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_glm5.execution_plan import plan_of
+
 __all__ = ["GroupedExperts", "expert_weights_back_to_back", "grouped_glu", "install_expert_buffer_layout",
            "stacked_weights"]
 
@@ -138,14 +140,14 @@ def grouped_glu(y1: torch.Tensor, probs: torch.Tensor, config) -> torch.Tensor:
 class GroupedExperts(SequentialMLP):
     """``SequentialMLP`` whose forward runs all local experts as grouped GEMMs on CUDA (see the module docstring).
 
-    ``force_grouped = True`` also takes the grouped path on CPU (``torch._grouped_mm`` has a CPU kernel in recent
-    PyTorch), which the tests use to check the grouped arithmetic against the per-expert loop.
+    The execution plan's ``grouped_experts_on_cpu`` (``self.plan``) also takes the grouped path on CPU tensors
+    (``torch._grouped_mm`` has a CPU kernel in recent PyTorch), which the tests use to check the grouped arithmetic
+    against the per-expert loop; the plan's ``triton_kernels`` runs the GLU as one Triton kernel on CUDA.
     """
-
-    force_grouped: bool = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.plan = plan_of(self.config)
         key = object()  # this module's weights, for expert_weights_back_to_back
         for s, weights in enumerate(self.expert_weight_sets()):
             for e, w in enumerate(weights):
@@ -178,7 +180,7 @@ class GroupedExperts(SequentialMLP):
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         cfg = self.config
-        if not (x.is_cuda or self.force_grouped) or not hasattr(torch, "_grouped_mm"):
+        if not (x.is_cuda or self.plan.grouped_experts_on_cpu) or not hasattr(torch, "_grouped_mm"):
             return False
         if self.num_local_experts < 2 or x.shape[0] == 0 or x.dim() != 2:
             return False
@@ -196,11 +198,10 @@ class GroupedExperts(SequentialMLP):
     def _glu(self, y1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """:func:`grouped_glu`; on CUDA with SiLU one Triton kernel each way (``megatron_glm5/kernels/glu.py``)."""
         cfg = self.config
-        if y1.is_cuda and cfg.activation_func is torch.nn.functional.silu:
+        if self.plan.triton_kernels and y1.is_cuda and cfg.activation_func is torch.nn.functional.silu:
             from megatron_glm5.kernels import glu
 
-            if glu.HAVE_TRITON:
-                return glu.clamped_swiglu(y1, probs, cfg.activation_func_clamp_value, cfg.glu_linear_offset)
+            return glu.clamped_swiglu(y1, probs, cfg.activation_func_clamp_value, cfg.glu_linear_offset)
         return grouped_glu(y1, probs, cfg)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,

@@ -38,7 +38,8 @@ from __future__ import annotations
 import torch
 
 from megatron_glm5.models.context_parallel import SequenceLayout, gather_sequence, local_cu_seqlens
-from megatron_glm5.models.kda import causal_depthwise_conv1d, l2norm
+from megatron_glm5.kernels.kda import l2norm
+from megatron_glm5.kernels.short_conv import causal_depthwise_conv1d
 
 __all__ = ["cp_causal_depthwise_conv1d", "cp_chunk_kda"]
 
@@ -50,7 +51,7 @@ def _joined(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
 
 
 def cp_causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """:func:`~megatron_glm5.models.kda.causal_depthwise_conv1d` of the whole row, restricted to this CP chunk.
+    """:func:`~megatron_glm5.kernels.short_conv.causal_depthwise_conv1d` of the whole row, restricted to this CP chunk.
 
     Args:
         x: ``[b, L, c]`` this rank's inputs (``b = 1`` for a packed row).
@@ -96,7 +97,7 @@ def cp_chunk_kda(core, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
     Args:
         core: the per-rank kernel, ``core(q, k, v, g, beta, scale=, cu_seqlens=, chunk_size=, use_qk_l2norm=)``
-            (:func:`~megatron_glm5.models.kda.chunk_kda_torch` or ``chunk_kda_fla``).
+            (:func:`~megatron_glm5.kernels.kda.chunk_kda_torch` or ``chunk_kda_fla``).
         q, k: ``[1, L, H, K]`` (not yet L2-normalised); v: ``[1, L, H, V]``; g: ``[1, L, H, K]`` log decay;
             beta: ``[1, L, H]``.
         scale: query scale.

@@ -11,7 +11,7 @@ Math (``H`` heads, ``dq = qk_head_dim``, ``dv = v_head_dim``, ``r = kv_lora_rank
     o_i     = sum_{j in S_i} softmax_j(q_i . k_j * dq^-0.5) v_j
     out     = o_proj o
 
-Three backends (``config.dsa_backend``) compute the same ``o``:
+Three backends (the execution plan's ``dsa_backend``) compute the same ``o``:
 
 * ``'torch'``: masked dense reference: a boolean ``[b, s, s]`` mask from the selection and
   ``scaled_dot_product_attention`` over expanded per-head K/V. ``O(s^2)`` memory.
@@ -66,6 +66,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
+from megatron_glm5.execution_plan import plan_of
+from megatron_glm5.kernels.sparse_mla import sparse_mla, topk_indices_to_mask
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence
 from megatron_glm5.models.kpool_indexer import KPoolIndexer
 from megatron_glm5.models.linear import ReplicatedLinear, linear_output
@@ -114,16 +116,6 @@ def get_dsa_module_spec() -> ModuleSpec:
 
 
 # ---------------------------------------------------------------------------- attention kernels
-def topk_indices_to_mask(topk_indices: torch.Tensor, kv_length: int) -> torch.Tensor:
-    """Boolean ``[b, s, kv_length]`` mask (True = attend) from ``topk_indices [b, s, w]`` (``-1`` = unused)."""
-    b, s, _ = topk_indices.shape
-    idx = topk_indices.long()
-    idx = torch.where((idx >= 0) & (idx < kv_length), idx, kv_length)
-    mask = torch.zeros(b, s, kv_length + 1, dtype=torch.bool, device=topk_indices.device)
-    mask.scatter_(-1, idx, True)
-    return mask[..., :kv_length]
-
-
 def dense_topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """Masked dense reference. ``q [b, s, H, dq]``, ``k [b, t, H, dq]``, ``v [b, t, H, dv]``,
@@ -249,7 +241,7 @@ class Glm5DSAttention(MegatronModule):
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
         self.softmax_scale = self.qk_head_dim ** -0.5
-        self.backend = config.dsa_backend
+        self.backend = plan_of(config).dsa_backend
         # layers past the decoder (the MTP layer) always run their own indexer
         idx = layer_number - 1
         self.is_shared = idx < len(config.indexer_types) and config.indexer_types[idx] == "shared"
@@ -311,8 +303,6 @@ class Glm5DSAttention(MegatronModule):
         shapes. The indexer's tail slots (the last ``kpool - 1``) are moved to the front so that every row's valid
         slots end early and the kernel skips the unused pool slots of short contexts. ``return_lse``: also the
         kernel's log-sum-exp ``[b, s, Hl]`` (for the sparse indexer loss)."""
-        from megatron_glm5.kernels.sparse_mla import sparse_mla
-
         w_kc, w_vc = self.absorbed_weights()
         if get_pg_size(self.tp_group) > 1:
             kv_lat = copy_to_tensor_model_parallel_region(kv_lat, group=self.tp_group)

@@ -48,6 +48,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_glm5.execution_plan import plan_of
 from megatron_glm5.kernels import indexer_scores
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence, sequence_layout
 from megatron_glm5.models.linear import ReplicatedLinear
@@ -146,19 +147,15 @@ class KPoolIndexer(MegatronModule):
     fp32, ``keep_fp32 = True``), ``index_kpool_compress_gate [D, hidden]``.
     """
 
-    # Upper bound on the elements of the per-chunk score tensor ([b, chunk, H, n_pools] in PyTorch, [b, chunk,
-    # n_pools] fused).
-    score_chunk_elements: int = 1 << 25
-    # On CUDA the pool scores are one Triton kernel (megatron_glm5/kernels/indexer_scores.py); False: PyTorch ops.
-    use_fused_scores: bool = True
-    # With the fused scores, the kernel also masks them and writes the selection's sort keys (indexer_topk_keys):
-    # the same selection, bitwise; off until timed on a GPU.
-    fuse_topk_keys: bool = False
-
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None):
         super().__init__(config=config)
         self.layer_number = layer_number
+        # the execution plan: indexer_fused_scores (the pool scores as one Triton kernel on CUDA tensors,
+        # kernels/indexer_scores.py), indexer_fuse_topk_keys (the kernel also masks them and writes the selection's
+        # sort keys: the same selection, bitwise), indexer_score_chunk_elements (bound on the per-chunk score
+        # tensor: [b, chunk, H, n_pools] in PyTorch, [b, chunk, n_pools] fused)
+        self.plan = plan_of(config)
         self.hidden_size = config.hidden_size
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
@@ -282,9 +279,9 @@ class KPoolIndexer(MegatronModule):
         max_select = self.index_topk // kp
         selected_pools = torch.full((b, s, max_select), -1, dtype=torch.long, device=device)
         H = self.n_heads
-        fused = self.use_fused_scores and q.is_cuda and indexer_scores.HAVE_TRITON
+        fused = self.plan.indexer_fused_scores and q.is_cuda
         # the PyTorch scores hold [b, chunk, H, p] per-head values; the fused kernel writes only [b, chunk, p]
-        chunk = max(16, self.score_chunk_elements // max(1, b * n_pools * (1 if fused else H)))
+        chunk = max(16, self.plan.indexer_score_chunk_elements // max(1, b * n_pools * (1 if fused else H)))
         for a in range(0, s, chunk):
             e = min(s, a + chunk)
             lo, hi = feats.candidate_range(a, e)
@@ -295,7 +292,7 @@ class KPoolIndexer(MegatronModule):
             # equal scores (ReLU zeros are common) go to the earlier pool, so the same pools are picked however the
             # queries are chunked or cut over CP ranks (the candidate range differs)
             mask = (doc[a:e], off + a, pool_doc[lo:hi], pool_end[lo:hi])
-            if fused and self.fuse_topk_keys:
+            if fused and self.plan.indexer_fuse_topk_keys:
                 sort_keys = indexer_scores.indexer_topk_keys(q[:, a:e], pool_keys[:, lo:hi], weights[:, a:e],
                                                              self.softmax_scale, *mask)
             else:

@@ -27,7 +27,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_glm5.models.cuda_graphs import GraphedModule, moe_graph_blockers
+from megatron_glm5.execution_plan import moe_graph_blockers, plan_of
+from megatron_glm5.models.cuda_graphs import GraphedModule
 from megatron_glm5.models.mhc import HyperConnection, apply_hyper_connection_output
 
 
@@ -63,6 +64,7 @@ class Glm5TransformerLayer(MegatronModule):
         self.layer_number = layer_number
         self.is_mtp_layer = is_mtp_layer
         self.hc_mult = config.hc_mult
+        self.plan = plan_of(config)
         self.attn_hc = build_module(submodules.attn_hc, config=config, layer_number=layer_number)
         self.input_layernorm = build_module(submodules.input_layernorm, config=config,
                                             hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
@@ -83,10 +85,10 @@ class Glm5TransformerLayer(MegatronModule):
                                     tp_group=None if pg_collection is None else pg_collection.tp)
         if hasattr(self.mlp, "set_layer_number"):  # the MoE router logs its aux loss per layer (megatron contract)
             self.mlp.set_layer_number(layer_number)
-        # config.moe_cuda_graph: the MLP half of an MoE layer (its mHC input side, norm, MoE layer and mHC output
+        # the plan's moe_cuda_graph: the MLP half of an MoE layer (its mHC input side, norm, MoE layer and mHC output
         # side, streams in and out) as replayed CUDA graphs where eligible (models/cuda_graphs.py)
         self.mlp_graphs = None
-        if getattr(config, "moe_cuda_graph", False) and hasattr(self.mlp, "router"):
+        if self.plan.moe_cuda_graph and hasattr(self.mlp, "router"):
             self.mlp_graphs = GraphedModule(self, self._mlp_half, parts=("ffn_hc", "pre_mlp_layernorm", "mlp"))
         modules = (config.recompute_modules or []) if config.recompute_granularity == "selective" else []
         self.recompute_layernorm = "layernorm" in modules
@@ -131,7 +133,7 @@ class Glm5TransformerLayer(MegatronModule):
         post, comb, x, streams = self.ffn_hc(streams, pass_streams=True)
         x = self._norm(self.pre_mlp_layernorm, x)
         y = self._mlp(x, padding_mask)
-        return apply_hyper_connection_output(y, streams, post, comb)
+        return apply_hyper_connection_output(y, streams, post, comb, fused=self.plan.mhc_fused and streams.is_cuda)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
                 shared_topk_indices: Optional[torch.Tensor] = None, padding_mask: Optional[torch.Tensor] = None,
@@ -151,8 +153,9 @@ class Glm5TransformerLayer(MegatronModule):
         post, comb, x, streams = self.attn_hc(streams, pass_streams=True)
         x = self._norm(self.input_layernorm, x)
         y, topk = self._attention(x, attention_mask, packed_seq_params, shared_topk_indices)
-        streams = apply_hyper_connection_output(y, streams, post, comb)
+        streams = apply_hyper_connection_output(y, streams, post, comb, fused=self.plan.mhc_fused and streams.is_cuda)
 
+        # the plan's rule, asked again each step: a config changed after the build (recompute on) runs eagerly
         if self.mlp_graphs is not None and not moe_graph_blockers(self.config):
             streams = self.mlp_graphs(streams, *(() if padding_mask is None else (padding_mask,)))
         else:

@@ -4,7 +4,7 @@ Layer i (0-based) is built from:
   attention: 'linear_attention' -> KimiDeltaAttention, 'indexed_attention' -> Glm5DSAttention
   mlp:       'dense' -> megatron-core MLP (fused [gate; up] fc1, clamped SwiGLU)
              'sparse' -> megatron-core MoELayer (sigmoid router + expert bias, SequentialMLP experts -- or
-                         GroupedExperts with config.moe_experts_backend 'grouped' -- and a shared expert)
+                         GroupedExperts with the plan's moe_experts_backend 'grouped' -- and a shared expert)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_glm5.config import INDEXED_ATTENTION, LINEAR_ATTENTION, SPARSE_MLP, Glm5Config
+from megatron_glm5.execution_plan import plan_of
 from megatron_glm5.models.grouped_experts import GroupedExperts
 from megatron_glm5.models.kda import get_kda_module_spec
 from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
@@ -44,8 +45,8 @@ def get_dense_mlp_spec() -> ModuleSpec:
 
 def get_moe_spec(config: Optional[Glm5Config] = None) -> ModuleSpec:
     """megatron-core MoELayer with SequentialMLP routed experts (GroupedExperts, the same parameters run as grouped
-    GEMMs, when ``config.moe_experts_backend == 'grouped'``) and one fused shared expert."""
-    grouped = config is not None and getattr(config, "moe_experts_backend", "sequential") == "grouped"
+    GEMMs, when the execution plan's ``moe_experts_backend`` is 'grouped') and one fused shared expert."""
+    grouped = config is not None and plan_of(config).moe_experts_backend == "grouped"
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(

@@ -40,6 +40,7 @@ from torch import nn
 
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_glm5.execution_plan import plan_of
 from megatron_glm5.models.sharding import replicated_sharded_state_dict
 
 __all__ = [
@@ -106,16 +107,17 @@ class _SinkhornRecompute(torch.autograd.Function):
         return grad_in, None, None
 
 
-def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, recompute: bool = True) -> torch.Tensor:
+def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, recompute: bool = True,
+                       fused: bool = False) -> torch.Tensor:
     """HF's Sinkhorn-Knopp on the last two dims of ``comb``; ``recompute`` trades memory for a backward replay.
 
-    On CUDA (fp32, triton installed) the whole iteration runs as one Triton kernel forward and one backward
-    (``megatron_glm5/kernels/sinkhorn.py``, which saves only the input, like ``recompute``)."""
-    if comb.is_cuda and comb.dtype == torch.float32:
-        from megatron_glm5.kernels import sinkhorn as fused
+    With ``fused`` (the plan's ``mhc_fused``) on a CUDA fp32 ``comb`` the whole iteration runs as one Triton kernel
+    forward and one backward (``megatron_glm5/kernels/sinkhorn.py``, which saves only the input, like
+    ``recompute``)."""
+    if fused and comb.is_cuda and comb.dtype == torch.float32:
+        from megatron_glm5.kernels import sinkhorn
 
-        if fused.HAVE_TRITON:
-            return fused.sinkhorn(comb, iters, eps)
+        return sinkhorn.sinkhorn(comb, iters, eps)
     if recompute and torch.is_grad_enabled() and comb.requires_grad:
         return _SinkhornRecompute.apply(comb, iters, eps)
     return _sinkhorn(comb, iters, eps)
@@ -135,11 +137,9 @@ class HyperConnection(MegatronModule):
     ``recompute_sinkhorn`` (default ``True``, also read from ``config.hc_recompute_sinkhorn`` when present) saves
     activation memory with bitwise-identical results.
 
-    On CUDA with triton the forward runs through the fused kernels of ``megatron_glm5/kernels/mhc.py`` (the same
-    function to fp32 rounding; ``use_fused_kernels = False`` selects the PyTorch ops below on any device).
+    On CUDA tensors, with the execution plan's ``mhc_fused`` (``self.plan``), the forward runs through the fused
+    kernels of ``megatron_glm5/kernels/mhc.py`` (the same function to fp32 rounding); otherwise the PyTorch ops below.
     """
-
-    use_fused_kernels: bool = True
 
     def __init__(self, config, layer_number: Optional[int] = None, recompute_sinkhorn: Optional[bool] = None):
         super().__init__(config=config)
@@ -152,7 +152,7 @@ class HyperConnection(MegatronModule):
         if recompute_sinkhorn is None:
             recompute_sinkhorn = bool(getattr(config, "hc_recompute_sinkhorn", True))
         self.recompute_sinkhorn = recompute_sinkhorn
-        self.stream_grad_fusion = bool(getattr(config, "mhc_stream_grad_fusion", False))
+        self.plan = plan_of(config)
 
         out = (2 + n) * n
         fn_dtype = getattr(config, "params_dtype", torch.float32) or torch.float32
@@ -192,7 +192,7 @@ class HyperConnection(MegatronModule):
         are passed in (not read from ``self``) so the fused path can replay this map under autograd. On CUDA with
         the fused kernels on, the whole map is one Triton kernel each way (``kernels/sinkhorn.py: mhc_weights``)."""
         n = self.hc_mult
-        if self.use_fused_kernels and mixes.dtype == torch.float32 and _fused_available(mixes):
+        if self.plan.mhc_fused and mixes.dtype == torch.float32 and mixes.is_cuda:
             from megatron_glm5.kernels.sinkhorn import mhc_weights
 
             return mhc_weights(mixes, base, scale, n, self.hc_sinkhorn_iters, self.hc_eps)
@@ -207,7 +207,8 @@ class HyperConnection(MegatronModule):
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = comb_w.view(*lead, n, n) * comb_s + comb_b.view(n, n)
         comb = torch.softmax(comb, dim=-1) + self.hc_eps
-        comb = sinkhorn_normalize(comb, self.hc_sinkhorn_iters, self.hc_eps, recompute=self.recompute_sinkhorn)
+        comb = sinkhorn_normalize(comb, self.hc_sinkhorn_iters, self.hc_eps, recompute=self.recompute_sinkhorn,
+                                  fused=self.plan.mhc_fused)
         return pre, post, comb
 
     def forward(self, streams: torch.Tensor, pass_streams: bool = False) -> tuple:
@@ -215,10 +216,10 @@ class HyperConnection(MegatronModule):
             raise ValueError(
                 f"HyperConnection expects streams [s, b, {self.hc_mult}, h], got {tuple(streams.shape)} "
                 "(use streams_view(x, hc_mult) on the flat [s, b, n*h] layout)")
-        if self.use_fused_kernels and _fused_available(streams):
+        if self.plan.mhc_fused and streams.is_cuda:
             from megatron_glm5.kernels import mhc as fused
 
-            fuse = pass_streams and self.stream_grad_fusion
+            fuse = pass_streams and self.plan.mhc_stream_grad_fusion
             out = fused.hyper_connection(streams, self.fn, self.base, self.scale, self.weights_from_mixes,
                                          self.norm_eps, pass_streams=fuse)
             return out if fuse or not pass_streams else (*out, streams)
@@ -235,24 +236,15 @@ class HyperConnection(MegatronModule):
                 f"hc_eps={self.hc_eps}, norm_eps={self.norm_eps}")
 
 
-def _fused_available(x: torch.Tensor) -> bool:
-    """CUDA tensor and triton importable: the fused mHC kernels (``megatron_glm5/kernels/mhc.py``) can run."""
-    if not x.is_cuda:
-        return False
-    from megatron_glm5.kernels import mhc as fused
-
-    return fused.HAVE_TRITON
-
-
 def apply_hyper_connection_output(block_out: torch.Tensor, residual_streams: torch.Tensor, post: torch.Tensor,
                                   comb: torch.Tensor, fused: Optional[bool] = None) -> torch.Tensor:
     """New streams ``[s, b, n, h]`` = ``post[.., j] * block_out + sum_i comb[.., i, j] * residual_streams[.., i, :]``
     (HF's decoder-layer formula; ``post``/``comb`` are cast to the activations' dtype first).
 
-    ``fused`` (default: on CUDA with triton) runs one Triton kernel forward and one backward instead, in fp32 with a
-    single rounding to the streams' dtype (``megatron_glm5.kernels.mhc.apply_output``)."""
+    ``fused`` (default: the process plan's ``mhc_fused`` on CUDA tensors) runs one Triton kernel forward and one
+    backward instead, in fp32 with a single rounding to the streams' dtype (``megatron_glm5.kernels.mhc.apply_output``)."""
     if fused is None:
-        fused = _fused_available(residual_streams)
+        fused = plan_of(None).mhc_fused and residual_streams.is_cuda
     if fused:
         from megatron_glm5.kernels import mhc as fused_mhc
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_glm5.execution_plan import plan_of
 from megatron_glm5.models.params import param_device
 
 
@@ -24,11 +25,10 @@ class RMSNorm(nn.Module):
     On CUDA with triton, when ``x`` and the weight share one float dtype and the normalised dim is at most
     ``kernels.rms_norm.MAX_D`` wide, the forward and backward run through the fused kernels of
     ``megatron_glm5/kernels/rms_norm.py`` (the same function: ``y`` bitwise up to the fp32 rounding of the sum of
-    squares; the gradients in fp32 inside, rounded once to x's / the weight's dtype). ``use_fused_kernels = False``
-    selects the PyTorch formula below on any device; CPU always runs it.
+    squares; the gradients in fp32 inside, rounded once to x's / the weight's dtype) when the execution plan has
+    ``rms_norm_fused`` (``self.plan``, :func:`megatron_glm5.execution_plan.plan_of` of the config); CPU tensors always
+    run the PyTorch formula below.
     """
-
-    use_fused_kernels: bool = True
 
     def __init__(self, config=None, hidden_size: int = None, eps: float = 1e-5, **_unused):
         if isinstance(config, int):  # RMSNorm(hidden_size, eps[, config=...]) form
@@ -39,9 +39,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight.tensor_model_parallel = False
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        self.plan = plan_of(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_fused_kernels and x.is_cuda:
+        if self.plan.rms_norm_fused and x.is_cuda:
             from megatron_glm5.kernels import rms_norm as fused
 
             if fused.fused_rms_norm_applies(x, self.weight):

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from megatron_glm5.config import INDEXED_ATTENTION, SPARSE_MLP, Glm5ConfigError
+from megatron_glm5.errors import Glm5ConfigError
+from megatron_glm5.layer_types import INDEXED_ATTENTION, SPARSE_MLP
 
 __all__ = [
     "prepare_parallel_layout",

@@ -35,7 +35,9 @@ backward, and of the expert outputs on the way back. :func:`keeps_counts_on_devi
 stay a device tensor: ``GroupedExperts`` needs them there; megatron-core's ``SequentialMLP`` takes ``.tolist()``,
 which waits correctly), and :func:`sort_chunks_by_idxs` returns its inputs when the chunk order is the identity.
 
-:func:`install` makes megatron-core's dispatchers use all four (once, on import of :mod:`megatron_glm5.models`).
+:func:`install` makes megatron-core's dispatchers use all four; the entry points call it
+(:func:`megatron_glm5.initialize.install_patches`), for the megatron-core releases whose dispatcher calls these
+functions with the signatures above (:data:`SUPPORTED_VERSIONS`, :func:`megatron_glm5.mcore_version.version_in`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 from megatron_glm5.kernels.gather_sum import gather_rows, gather_sum
+from megatron_glm5.mcore_version import MCORE_VERSION, version_in
 
 _upstream_permute = moe_utils.permute
 _upstream_unpermute = moe_utils.unpermute
@@ -168,10 +171,26 @@ def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: Optional[to
     return _upstream_dtoh(self, point, tokens_per_expert)
 
 
-def install() -> None:
+SUPPORTED_VERSIONS = ("0.16.1", "0.19.2")
+"""First and last megatron-core release whose ``token_dispatcher`` calls the replaced functions as they are here."""
+
+# name -> (module or class, attribute, replacement)
+PATCHES = {
+    "permute": (token_dispatcher, "permute", permute),
+    "unpermute": (token_dispatcher, "unpermute", unpermute),
+    "sort_chunks_by_idxs": (token_dispatcher, "sort_chunks_by_idxs", sort_chunks_by_idxs),
+    "counts_on_device": (token_dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
+                         _maybe_dtoh_and_synchronize),
+}
+
+
+def install(version: Optional[str] = None) -> Tuple[str, ...]:
     """Make megatron-core's token dispatchers use :func:`permute`, :func:`unpermute`, :func:`sort_chunks_by_idxs`
-    and the device-side counts of :func:`keeps_counts_on_device` (idempotent)."""
-    token_dispatcher.permute = permute
-    token_dispatcher.unpermute = unpermute
-    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
-    token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+    and the device-side counts of :func:`keeps_counts_on_device` (idempotent) when the installed megatron-core (or
+    ``version``) lies in :data:`SUPPORTED_VERSIONS`; returns the names installed (``()`` outside the range, where
+    megatron-core's own functions run)."""
+    if not version_in(SUPPORTED_VERSIONS, version or MCORE_VERSION):
+        return ()
+    for owner, attr, replacement in PATCHES.values():
+        setattr(owner, attr, replacement)
+    return tuple(PATCHES)

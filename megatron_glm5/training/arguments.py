@@ -21,18 +21,10 @@ import re
 import sys
 from typing import List, NamedTuple, NoReturn, Optional
 
-from megatron_glm5.cli import one_line
+from megatron_glm5.errors import ArgumentError, one_line
 
 PROG = "pretrain_glm5_vlm.py"
 MODEL_PRESETS = ("glm5-flash", "glm5-tiny")
-
-
-class ArgumentError(ValueError):
-    """A bad flag value or combination: the message names the flag and says why."""
-
-    def __init__(self, flag: str, reason: str):
-        super().__init__(f"{flag}: {reason}")
-        self.flag = flag
 
 
 def print_line(line: str) -> None:
@@ -711,7 +703,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             raise ArgumentError("model config", _flag_names(one_line(e))) from None
         _check_warmup_stages(args, model_config)
         with contextlib.redirect_stdout(megatron_noise):
-            validate_args(args, defaults)
+            # (only the defaults a flag overrides: Megatron-LM warns about every default already set, equal or not)
+            validate_args(args, {k: v for k, v in defaults.items() if getattr(args, k, None) != v})
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
             # only, and megatron-core's Float16Module refused an fp16 model with a traceback
             _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
@@ -736,7 +729,7 @@ def model_config_from_args(args, device: str):
     import torch
 
     from megatron_glm5.config import Glm5Config
-    from megatron_glm5.models.builder import default_backends
+    from megatron_glm5.execution_plan import default_backends
 
     hf = args.hf_config_dict
     backends = default_backends(device)

@@ -24,7 +24,7 @@ import json
 import os
 from typing import Optional
 
-from megatron_glm5.checkpoint.errors import CheckpointError
+from megatron_glm5.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_to_mcore import HF_CONFIG_FNAME
 # the tracker logic lives with the checkpoint code; re-exported here for the argument checks
 from megatron_glm5.checkpoint.megatron_layout import TRACKER_FILE as TRACKER  # noqa: F401

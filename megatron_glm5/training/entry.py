@@ -48,10 +48,7 @@ def _last_checkpoint(save: Optional[str]) -> str:
 def user_errors() -> tuple:
     """The exceptions a user causes (bad flags, data, configs or checkpoints, a run stopped by non-finite steps): the
     entry ends the run with one line, no traceback. Every other exception is a bug and keeps its traceback."""
-    from megatron_glm5.checkpoint.errors import CheckpointError
-    from megatron_glm5.config import Glm5ConfigError
-    from megatron_glm5.data import DataError
-    from megatron_glm5.training.arguments import ArgumentError
+    from megatron_glm5.errors import ArgumentError, CheckpointError, DataError, Glm5ConfigError
     from megatron_glm5.training.megatron_hooks import TrainingStopped
     from megatron_glm5.training.save_guard import SaveFailed
 
@@ -129,7 +126,7 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
         if isinstance(e, OSError) and e.errno in _USER_ERRNOS:
             code = 1
         elif isinstance(e, user_errors()):
-            from megatron_glm5.training.arguments import ArgumentError
+            from megatron_glm5.errors import ArgumentError
 
             code = 2 if isinstance(e, ArgumentError) else 1
         else:
@@ -143,7 +140,7 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
 def _user_message(e: BaseException) -> str:
     """``e``'s message as one line; an error a DataLoader worker raised carries the worker's traceback in its message
     (torch's ``ExceptionWrapper``): its last line, the original message, is kept."""
-    from megatron_glm5.checkpoint.errors import one_line
+    from megatron_glm5.errors import one_line
 
     text = str(e)
     if "\nOriginal Traceback (most recent call last):" in text:

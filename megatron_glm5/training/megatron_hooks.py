@@ -260,7 +260,7 @@ def _load_or_one_line(checkpoint_dir, fn, *args, **kwargs):
     CheckpointError raised inside torch DCP's wrapping (``CheckpointException``), or the error named briefly."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+    from megatron_glm5.errors import CheckpointError, one_line
 
     try:
         return fn(*args, **kwargs)
@@ -275,7 +275,7 @@ def _load_or_one_line(checkpoint_dir, fn, *args, **kwargs):
 
 def _checkpoint_error_in(e: BaseException):
     """The CheckpointError ``e`` is or wraps (torch DCP's ``CheckpointException.failures``, causes), or None."""
-    from megatron_glm5.checkpoint.errors import CheckpointError
+    from megatron_glm5.errors import CheckpointError
 
     seen = set()
     todo = [e]

@@ -51,7 +51,7 @@ import re
 from typing import Iterator, List, Optional, Set, Tuple
 
 from megatron_glm5.checkpoint.atomic import OutputDirError, check_output_path, output_lock, write_text_atomic
-from megatron_glm5.checkpoint.errors import CheckpointError, one_line
+from megatron_glm5.errors import ArgumentError, CheckpointError, one_line
 from megatron_glm5.checkpoint.megatron_layout import RELEASE, TRACKER_FILE, CheckpointDirError, read_tracker
 
 ITER_DIR = re.compile(r"iter_\d{7,}\Z")
@@ -240,8 +240,6 @@ def check_save_target(args) -> None:
     """Refuse (``ArgumentError``, one line naming the flag) a ``--save`` (and ``--non-persistent-global-ckpt-dir``)
     that would lose data (module docstring); nothing is written. Also refuses ``--ckpt-step N`` when ``--load`` has
     no ``iter_NNNNNNN`` for it."""
-    from megatron_glm5.training.arguments import ArgumentError
-
     step = getattr(args, "ckpt_step", None)
     if step is not None and args.load:
         folder = os.path.join(args.load, f"iter_{step:07d}")
