@@ -79,6 +79,22 @@ def read_tracker(root: str) -> Optional[str]:
     return name
 
 
+def start_iteration(args) -> int:
+    """The iteration a Megatron-LM run with these arguments starts after: ``--ckpt-step``, else the iteration
+    ``--load``'s tracker names (0 without one, for 'release', with ``--finetune`` and for an unreadable tracker,
+    which the ``--load`` checks name)."""
+    load = getattr(args, "load", None)
+    if getattr(args, "finetune", False) or not load or not os.path.isdir(load):
+        return 0
+    if getattr(args, "ckpt_step", None) is not None:
+        return int(args.ckpt_step)
+    try:
+        name = read_tracker(load)
+    except CheckpointDirError:
+        return 0
+    return int(name[len("iter_"):]) if name and name.startswith("iter_") else 0
+
+
 def checkpoint_in(root: str) -> Optional[str]:
     """The checkpoint directory ``root``'s tracker names, None when ``root`` holds no tracker; raises
     :class:`CheckpointDirError` for a tracker that names nothing readable, or files of a checkpoint without one

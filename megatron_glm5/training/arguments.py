@@ -476,22 +476,6 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
         args.eval_interval = args.train_iters  # no validation: Megatron-LM still sizes the valid split with it
 
 
-def _start_iteration(args: argparse.Namespace) -> int:
-    """The iteration this run starts after: --ckpt-step, else the iteration --load's tracker names (0 without one,
-    for 'release' and with --finetune)."""
-    from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, read_tracker
-
-    if args.finetune or not args.load or not os.path.isdir(args.load):
-        return 0
-    if getattr(args, "ckpt_step", None) is not None:
-        return int(args.ckpt_step)
-    try:
-        name = read_tracker(args.load)
-    except CheckpointDirError:  # the --load checks name it
-        return 0
-    return int(name[len("iter_"):]) if name and name.startswith("iter_") else 0
-
-
 def _check_indexer_training(args: argparse.Namespace) -> None:
     """--dsa-indexer-loss-coeff / --dsa-indexer-use-sparse-loss / --dsa-indexer-warmup; sets
     ``args.dsa_indexer_warmup_stage`` (this run is the warm-up: it starts before iteration N) and, in it, ends the run
@@ -506,7 +490,9 @@ def _check_indexer_training(args: argparse.Namespace) -> None:
     if args.dsa_indexer_warmup:
         _require((coeff or 0) > 0, "--dsa-indexer-warmup",
                  "needs --dsa-indexer-loss-coeff > 0 (the warm-up trains the indexers by their loss alone)")
-        args.dsa_indexer_warmup_stage = _start_iteration(args) < args.dsa_indexer_warmup
+        from megatron_glm5.checkpoint.megatron_layout import start_iteration
+
+        args.dsa_indexer_warmup_stage = start_iteration(args) < args.dsa_indexer_warmup
         if args.dsa_indexer_warmup_stage:
             _require(args.exit_interval is None, "--exit-interval",
                      f"the warm-up stage ends at iteration {args.dsa_indexer_warmup} (--dsa-indexer-warmup) by "

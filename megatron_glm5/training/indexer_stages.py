@@ -23,10 +23,10 @@ __all__ = ["install", "is_stage_switch", "optimizer_state_refusal"]
 def is_stage_switch(args) -> bool:
     """Whether this run resumes the warm-up's last checkpoint in the sparse stage (it starts at iteration
     ``--dsa-indexer-warmup``)."""
-    from megatron_glm5.training.arguments import _start_iteration
+    from megatron_glm5.checkpoint.megatron_layout import start_iteration
 
     n = getattr(args, "dsa_indexer_warmup", 0) or 0
-    return n > 0 and bool(args.load) and not args.finetune and _start_iteration(args) == n
+    return n > 0 and bool(args.load) and not args.finetune and start_iteration(args) == n
 
 
 def optimizer_state_refusal(ckpt_dir: str, saved: dict, args) -> Optional[str]:
