@@ -57,16 +57,27 @@ def mcore():
     yield
 
 
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory):
-    """A generated tokenizer, indexed text corpus and VQA set, as tools/make_tiny_data.py writes them."""
+def _make_tiny_data(tmp_path_factory, name: str, text_docs: int, vqa_docs: int):
     import os
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path_factory.mktemp("tiny_data")
+    out = tmp_path_factory.mktemp(name)
     proc = subprocess.run([sys.executable, os.path.join(repo, "tools", "make_tiny_data.py"), "--out", str(out),
-                           "--text-docs", "8", "--vqa-docs", "12"], capture_output=True, text=True, cwd=repo)
+                           "--text-docs", str(text_docs), "--vqa-docs", str(vqa_docs)], capture_output=True,
+                          text=True, cwd=repo)
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A generated tokenizer, indexed text corpus and VQA set, as tools/make_tiny_data.py writes them."""
+    return _make_tiny_data(tmp_path_factory, "tiny_data", 8, 12)
+
+
+@pytest.fixture(scope="session")
+def parallel_data(tmp_path_factory):
+    """The data of the parallel-layout runs (tools/make_tiny_data.py: 4 text documents, 10 VQA records)."""
+    return _make_tiny_data(tmp_path_factory, "parallel_data", 4, 10)

@@ -470,16 +470,8 @@ def pworkdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pdata(pworkdir):
-    import os
-
-    from tests.training_harness import run
-
-    out = pworkdir / "data"
-    proc = run(["--out", str(out), "--text-docs", "4", "--vqa-docs", "10"],
-               script=os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "make_tiny_data.py"))
-    assert proc.returncode == 0, proc.stderr
-    return out
+def pdata(parallel_data):
+    return parallel_data
 
 
 def _peaked_checkpoint(workdir):

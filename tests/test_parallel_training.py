@@ -11,7 +11,6 @@ final checkpoint (layout-free global tensors), measured against the largest weig
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -62,12 +61,8 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data(workdir):
-    out = workdir / "data"
-    proc = run(["--out", str(out), "--text-docs", "4", "--vqa-docs", "10"],
-               script=os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "make_tiny_data.py"))
-    assert proc.returncode == 0, proc.stderr
-    return out
+def data(parallel_data):
+    return parallel_data
 
 
 def _initial_checkpoint(workdir, variant: str):

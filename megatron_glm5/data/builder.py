@@ -156,18 +156,25 @@ def _build_gpt(args, model_config, tokenizer, sizes, mock: bool):
     return tuple(datasets)
 
 
-def _build_vqa(args, model_config, tokenizer, sizes):
-    from megatron_glm5.data.vqa import PackedVQADataset, VQADocuments, build_image_processor, read_vqa_records
-
-    if model_config.vision is None:
-        raise DataError("--dataset-type vqa: the model config has no vision_config")
-    for p in args.data_path:
+def _refuse_weights(data_path, dataset_type: str, hint: str = "") -> None:
+    """:class:`DataError` for a blend weight (a number that names no file) in ``--data-path``: packed sources take
+    files only."""
+    for p in data_path:
         try:
             float(p)
         except ValueError:
             continue
         if not os.path.exists(p):
-            raise DataError(f"--data-path: weights are not supported with --dataset-type vqa (got {p!r})")
+            raise DataError(f"--data-path: weights are not supported with --dataset-type {dataset_type} (got {p!r})"
+                            f"{hint}")
+
+
+def _build_vqa(args, model_config, tokenizer, sizes):
+    from megatron_glm5.data.vqa import PackedVQADataset, VQADocuments, build_image_processor, read_vqa_records
+
+    if model_config.vision is None:
+        raise DataError("--dataset-type vqa: the model config has no vision_config")
+    _refuse_weights(args.data_path, "vqa")
     matrix = _split_matrix(args.split)
     hf_dir = getattr(args, "hf_config", None)
     pre = os.path.join(hf_dir, "preprocessor_config.json") if isinstance(hf_dir, str) else None
@@ -208,14 +215,7 @@ def _build_chat(args, model_config, tokenizer, sizes):
 
     if model_config.vision is None:
         raise DataError("--dataset-type chat: the model config has no vision_config")
-    for p in args.data_path:
-        try:
-            float(p)
-        except ValueError:
-            continue
-        if not os.path.exists(p):
-            raise DataError(f"--data-path: weights are not supported with --dataset-type chat (got {p!r}); blend "
-                            f"with an Energon metadataset")
+    _refuse_weights(args.data_path, "chat", "; blend with an Energon metadataset")
     energon = energon_source(list(args.data_path))
     matrix = _split_matrix(args.split) if energon is None else None
     hf_dir = getattr(args, "hf_config", None)
