@@ -23,7 +23,9 @@ from test_context_parallel import _env, _rel, spawn  # noqa: E402
 LENS = (3, 30, 5, 7)
 STEPS = 3
 LR = 0.01
-TOL = 1e-5
+TOL = 1e-5  # losses per step and weights after the steps
+GRAD_TOL = 3e-5  # first-step gradients, per tensor: a reordered fp32 sum alone moves them ~3e-5 (see `reference`;
+# the worst is an mHC `scale`, three numbers each summed over every token with cancelling terms)
 
 
 def _hf_config():
@@ -171,7 +173,7 @@ def _run(reference, tp, cp):
         if k != "n_params":
             print(f"[tp{tp} cp{cp}] {k}: {v:.2e}")
     assert -worst["n_params"] > 100
-    bad = {k: v for k, v in worst.items() if v > TOL}
+    bad = {k: v for k, v in worst.items() if v > (GRAD_TOL if k.startswith("step0 grad") else TOL)}
     assert not bad, bad
 
 

@@ -31,6 +31,40 @@ def _quiet_megatron() -> None:
     logging.raiseExceptions = False
 
 
+_CTRL_C = {"seen": False}
+
+
+def _quiet_threads_after_ctrl_c() -> None:
+    """Once Ctrl-C (SIGINT) has reached this process, a helper thread's broken connection is not a traceback: the
+    data-loader workers die with the same signal, and the thread of ``multiprocessing.resource_sharer`` that hands
+    their tensors over prints ``BrokenPipeError`` / ``ConnectionResetError`` / ``EOFError`` through
+    ``threading.excepthook``. Those three are dropped after a SIGINT; anything else, and everything before one, is
+    printed as before. Python's own SIGINT handling (KeyboardInterrupt in the main thread) is kept."""
+    import signal
+    import threading
+
+    if getattr(threading.excepthook, "glm5_ctrl_c", False) or threading.current_thread() is not threading.main_thread():
+        return
+    previous_handler = signal.getsignal(signal.SIGINT)
+    if not callable(previous_handler):
+        return  # SIGINT ignored or left to the system: nothing to mark
+
+    def on_sigint(signum, frame):
+        _CTRL_C["seen"] = True
+        return previous_handler(signum, frame)
+
+    hook = threading.excepthook
+
+    def excepthook(args):
+        if _CTRL_C["seen"] and issubclass(args.exc_type, (BrokenPipeError, ConnectionResetError, EOFError)):
+            return
+        hook(args)
+
+    excepthook.glm5_ctrl_c = True
+    signal.signal(signal.SIGINT, on_sigint)
+    threading.excepthook = excepthook
+
+
 def _last_checkpoint(save: Optional[str]) -> str:
     """'; the last checkpoint (iteration N) in SAVE is intact' when SAVE's tracker names one."""
     from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, read_tracker
@@ -116,6 +150,7 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
         print_line(f"{prog}: error: {bad_env}")
         return 2
     run = {}
+    _quiet_threads_after_ctrl_c()
     try:
         return _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)
     except KeyboardInterrupt:
