@@ -235,6 +235,55 @@ def test_torchrun_ctrl_c_is_one_line_from_rank_0():
     assert time.monotonic() - start < 20  # no rank waits for the launcher's forced kill
 
 
+_HELPER_REPORT = r"""
+import os, signal, sys, threading, time
+from megatron_glm5.training import entry
+entry._CTRL_C_GRACE_S = 2.0
+entry._quiet_threads_after_ctrl_c()
+
+def report(exc_type, via_sys):
+    try:
+        raise exc_type("peer went away")
+    except exc_type:
+        if via_sys:  # multiprocessing.resource_sharer's thread calls sys.excepthook itself
+            sys.excepthook(*sys.exc_info())
+        else:
+            raise
+
+def helper(exc_type, via_sys):
+    thread = threading.Thread(target=report, args=(exc_type, via_sys), daemon=True)
+    thread.start()
+    return thread
+
+before = [helper(ValueError, True), helper(ConnectionResetError, False)]  # no SIGINT within the grace: printed
+for thread in before:
+    thread.join()
+sys.stderr.write("--- sigint ---\n")
+early = helper(ConnectionResetError, True)  # reported before this process's handler ran: waits for it
+time.sleep(0.3)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    pass
+late = [helper(BrokenPipeError, False), helper(EOFError, True), helper(KeyError, True)]
+for thread in [early] + late:
+    thread.join()
+"""
+
+
+def test_helper_threads_broken_connections_after_ctrl_c_are_dropped():
+    """A helper thread's broken connection (the data-loader's resource sharer reports it through sys.excepthook,
+    other threads through threading.excepthook) prints nothing once SIGINT arrives, also when the report comes first;
+    other errors, and broken connections without a SIGINT, print their traceback."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
+    run = subprocess.run([sys.executable, "-c", _HELPER_REPORT], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    before, after = run.stderr.split("--- sigint ---\n")
+    assert "ValueError: peer went away" in before and "ConnectionResetError: peer went away" in before, before
+    assert [ln for ln in after.splitlines() if "peer went away" in ln and "raise" not in ln] == ["KeyError: 'peer went away'"], after
+
+
 @pytest.mark.parametrize("marker", [
     None,                                                  # start-up: imports
     pytest.param("> initializing torch distributed", marks=pytest.mark.slow),

@@ -32,18 +32,40 @@ def _quiet_megatron() -> None:
 
 
 _CTRL_C = {"seen": False}
+_HELPER_CONNECTION_ERRORS = (BrokenPipeError, ConnectionResetError, EOFError)
+_CTRL_C_GRACE_S = 5.0
+
+
+def _after_ctrl_c(exc_type: type) -> bool:
+    """Whether ``exc_type`` is a helper's broken connection caused by Ctrl-C. The thread that reports it may run
+    before this process's main thread has run its SIGINT handler (a peer that died of the same signal reset the
+    connection first), so a broken connection waits up to ``_CTRL_C_GRACE_S`` for the SIGINT to be seen."""
+    import time
+
+    import threading
+
+    if not issubclass(exc_type, _HELPER_CONNECTION_ERRORS):
+        return False
+    if threading.current_thread() is threading.main_thread():
+        return _CTRL_C["seen"]  # the main thread runs the handler itself: no later SIGINT to wait for
+    deadline = time.monotonic() + _CTRL_C_GRACE_S
+    while not _CTRL_C["seen"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _CTRL_C["seen"]
 
 
 def _quiet_threads_after_ctrl_c() -> None:
     """Once Ctrl-C (SIGINT) has reached this process, a helper thread's broken connection is not a traceback: the
     data-loader workers die with the same signal, and the thread of ``multiprocessing.resource_sharer`` that hands
-    their tensors over prints ``BrokenPipeError`` / ``ConnectionResetError`` / ``EOFError`` through
-    ``threading.excepthook``. Those three are dropped after a SIGINT; anything else, and everything before one, is
-    printed as before. Python's own SIGINT handling (KeyboardInterrupt in the main thread) is kept."""
+    their tensors over reports ``BrokenPipeError`` / ``ConnectionResetError`` / ``EOFError`` through
+    ``sys.excepthook`` (other threads through ``threading.excepthook``). Those three are dropped when a SIGINT arrives
+    (see :func:`_after_ctrl_c`); anything else is printed as before. Python's own SIGINT handling
+    (KeyboardInterrupt in the main thread) is kept. Forked data-loader workers inherit the hooks and the handler."""
     import signal
+    import sys
     import threading
 
-    if getattr(threading.excepthook, "glm5_ctrl_c", False) or threading.current_thread() is not threading.main_thread():
+    if getattr(sys.excepthook, "glm5_ctrl_c", False) or threading.current_thread() is not threading.main_thread():
         return
     previous_handler = signal.getsignal(signal.SIGINT)
     if not callable(previous_handler):
@@ -53,16 +75,20 @@ def _quiet_threads_after_ctrl_c() -> None:
         _CTRL_C["seen"] = True
         return previous_handler(signum, frame)
 
-    hook = threading.excepthook
+    sys_hook, thread_hook = sys.excepthook, threading.excepthook
 
-    def excepthook(args):
-        if _CTRL_C["seen"] and issubclass(args.exc_type, (BrokenPipeError, ConnectionResetError, EOFError)):
-            return
-        hook(args)
+    def sys_excepthook(exc_type, exc_value, exc_traceback):
+        if not _after_ctrl_c(exc_type):
+            sys_hook(exc_type, exc_value, exc_traceback)
 
-    excepthook.glm5_ctrl_c = True
+    def thread_excepthook(args):
+        if not _after_ctrl_c(args.exc_type):
+            thread_hook(args)
+
+    sys_excepthook.glm5_ctrl_c = True
     signal.signal(signal.SIGINT, on_sigint)
-    threading.excepthook = excepthook
+    sys.excepthook = sys_excepthook
+    threading.excepthook = thread_excepthook
 
 
 def _last_checkpoint(save: Optional[str]) -> str:
