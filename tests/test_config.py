@@ -112,6 +112,46 @@ def test_sizes_come_from_the_config():
     assert (c.num_moe_experts, c.moe_router_topk, c.index_kpool) == (6, 3, 2)
 
 
+# every size-like text key of Glm5NextTextConfig that the tiny config gives; the test leaves them all out
+_TEXT_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "kv_lora_rank",
+                   "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_topk", "index_head_dim", "index_kpool",
+                   "linear_head_dim", "linear_conv_kernel_dim", "n_shared_experts", "hc_sinkhorn_iters")
+
+
+def test_absent_sizes_mean_what_transformers_means(tmp_path):
+    """A config.json lacking the width keys builds the widths transformers' Glm5NextConfig builds from the same file;
+    the head, expert, layer and stream counts it gives are used as given."""
+    from transformers import Glm5NextConfig
+
+    hf = tiny_hf_config()
+    text = hf["text_config"]
+    for k in _TEXT_SIZE_KEYS:
+        del text[k]
+    vision = hf["vision_config"] = {"num_heads": 2, "out_hidden_size": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    c = Glm5Config.from_hf(str(tmp_path))
+    ref = Glm5NextConfig.from_pretrained(str(tmp_path))
+    rt, rv = ref.text_config, ref.vision_config
+    assert (c.vocab_size, c.hidden_size, c.ffn_hidden_size, c.moe_ffn_hidden_size) == (
+        rt.vocab_size, rt.hidden_size, rt.intermediate_size, rt.moe_intermediate_size) == (154880, 4096, 12288, 2048)
+    assert (c.kv_lora_rank, c.q_lora_rank, c.qk_head_dim, c.v_head_dim) == (
+        rt.kv_lora_rank, rt.q_lora_rank, rt.qk_nope_head_dim, rt.v_head_dim)
+    assert (c.index_topk, c.index_head_dim, c.index_kpool, c.linear_head_dim, c.linear_conv_kernel_dim) == (
+        rt.index_topk, rt.index_head_dim, rt.index_kpool, rt.linear_head_dim, rt.linear_conv_kernel_dim)
+    assert (c.n_shared_experts, c.hc_sinkhorn_iters) == (rt.n_shared_experts, rt.hc_sinkhorn_iters)
+    assert c.moe_shared_expert_intermediate_size == rt.moe_intermediate_size * rt.n_shared_experts
+    # given in the file: used as given, not the released 45 layers / 64 heads / 288 experts / 4 streams
+    assert (c.num_layers, c.num_attention_heads, c.linear_num_heads, c.index_n_heads) == (4, 4, 4, 8)
+    assert (c.num_moe_experts, c.moe_router_topk, c.hc_mult) == (8, 2, 3)
+    assert (rt.num_hidden_layers, rt.num_attention_heads, rt.n_routed_experts, rt.hc_mult) == (4, 4, 8, 3)
+    v = c.vision
+    assert (v.depth, v.hidden_size, v.intermediate_size, v.projection_intermediate_size, v.patch_size) == (
+        rv.depth, rv.hidden_size, rv.intermediate_size, rv.projection_intermediate_size, rv.patch_size)
+    assert (v.temporal_patch_size, v.spatial_merge_size, v.in_channels, v.rope_theta) == (
+        rv.temporal_patch_size, rv.spatial_merge_size, rv.in_channels, rv.rope_parameters["rope_theta"])
+    assert (v.num_heads, v.out_hidden_size) == (rv.num_heads, rv.out_hidden_size) == (vision["num_heads"], 4096)
+
+
 def test_to_hf_dict_writes_only_what_the_model_has():
     """A dense-only model exports no routed experts or expert width (nothing invented); an MoE model its own; the
     FP8 block of the source's quantization_config travels with the config (the export quantises with it)."""

@@ -3,6 +3,7 @@
 * :mod:`~megatron_glm5.config.schema`: ``Glm5Config`` (every field with its docstring, validation);
 * :mod:`~megatron_glm5.config.vision`: ``Glm5VisionConfig`` (the vision tower);
 * :mod:`~megatron_glm5.config.hf`: HF ``config.json`` import (``Glm5Config.from_hf``) and export (``to_hf_dict``);
+* :mod:`~megatron_glm5.config.hf_defaults`: what an absent HF key means (transformers' config classes' defaults);
 * :mod:`~megatron_glm5.config.presets`: ``glm5_flash_config()`` (the released sizes) and ``tiny_config()``.
 """
 

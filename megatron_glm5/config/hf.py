@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn.functional as F
 
+from megatron_glm5.config.hf_defaults import HF_TEXT_DEFAULTS
 from megatron_glm5.config.vision import Glm5VisionConfig
 from megatron_glm5.errors import Glm5ConfigError
 from megatron_glm5.layer_types import INDEXED_ATTENTION, LINEAR_ATTENTION, SPARSE_MLP
@@ -180,29 +181,28 @@ def check_hf_config_types(full) -> None:
         raise Glm5ConfigError("quantization_config: must be a JSON object")
 
 
-def _text_fields_from_hf(t: dict) -> dict:
-    """Map an HF text config dict onto Glm5Config keyword arguments (mirrors Glm5NextTextConfig.__post_init__)."""
-    t = dict(t)
-    if "num_hidden_layers" not in t:
-        raise Glm5ConfigError("num_hidden_layers: missing from the text config")
+def _text_fields_from_hf(raw: dict) -> dict:
+    """Map an HF text config dict onto Glm5Config keyword arguments (mirrors Glm5NextTextConfig.__post_init__); a
+    key the dict leaves out takes ``Glm5NextTextConfig``'s default (:mod:`~megatron_glm5.config.hf_defaults`)."""
+    t = {**HF_TEXT_DEFAULTS, **raw}
     n = int(t["num_hidden_layers"])
-    if t.get("model_type") not in (None, "glm5_next_text", "glm5_next"):
-        raise Glm5ConfigError(f"model_type: expected 'glm5_next_text', got {t.get('model_type')!r}")
-    if t.get("hidden_act", "silu") != "silu":
-        raise Glm5ConfigError(f"hidden_act: only 'silu' is supported, got {t.get('hidden_act')!r}")
-    if t.get("attention_bias", False):
+    if raw.get("model_type") not in (None, "glm5_next_text", "glm5_next"):
+        raise Glm5ConfigError(f"model_type: expected 'glm5_next_text', got {raw.get('model_type')!r}")
+    if t["hidden_act"] != "silu":
+        raise Glm5ConfigError(f"hidden_act: only 'silu' is supported, got {t['hidden_act']!r}")
+    if t["attention_bias"]:
         raise Glm5ConfigError("attention_bias: True is not supported (the released model has no attention bias)")
-    heads = int(t.get("num_attention_heads", 64))
-    kv_heads = t.get("num_key_value_heads") or heads
+    heads = int(t["num_attention_heads"])
+    kv_heads = t["num_key_value_heads"] or heads
     if kv_heads != heads:
         raise Glm5ConfigError(f"num_key_value_heads: {kv_heads} must equal num_attention_heads {heads}")
-    if int(t.get("qk_rope_head_dim", 0)) != 0:
+    if int(t["qk_rope_head_dim"]) != 0:
         raise Glm5ConfigError(f"qk_rope_head_dim: GLM-5.3 DSA is NoPE; must be 0, got {t['qk_rope_head_dim']}")
 
-    mlp_types = t.get("mlp_layer_types") or (["dense"] * min(3, n) + ["sparse"] * (n - 3))
-    layer_types = t.get("layer_types") or [LINEAR_ATTENTION if i % 4 != 3 else INDEXED_ATTENTION for i in range(n)]
+    mlp_types = t["mlp_layer_types"] or (["dense"] * min(3, n) + ["sparse"] * (n - 3))
+    layer_types = t["layer_types"] or [LINEAR_ATTENTION if i % 4 != 3 else INDEXED_ATTENTION for i in range(n)]
     layer_types = [INDEXED_ATTENTION if x == "full_attention" else x for x in layer_types]
-    indexer_types = t.get("indexer_types")
+    indexer_types = t["indexer_types"]
     if indexer_types is None:
         pattern = t.get("index_topk_pattern")
         if pattern is not None:
@@ -213,15 +213,15 @@ def _text_fields_from_hf(t: dict) -> dict:
                 indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern]
             else:
                 indexer_types = list(pattern)
-        else:
+        else:  # Glm5NextTextConfig.__post_init__'s schedule and its defaults (freq 1, offset 2)
             freq = max(int(t.get("index_topk_freq", 1)), 1)
             offset = int(t.get("index_skip_topk_offset", 2))
             indexer_types = ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n)]
 
-    linear_head_dim = t.get("linear_head_dim", 128)
-    linear_num_heads = t.get("linear_num_heads", 64)
-    conv = t.get("linear_conv_kernel_dim", 4)
-    lower = t.get("linear_lower_bound", -5.0)
+    linear_head_dim = t["linear_head_dim"]
+    linear_num_heads = t["linear_num_heads"]
+    conv = t["linear_conv_kernel_dim"]
+    lower = t["linear_lower_bound"]
     lac = t.get("linear_attn_config")
     if lac is not None:
         linear_head_dim = lac.get("head_dim", linear_head_dim)
@@ -229,44 +229,44 @@ def _text_fields_from_hf(t: dict) -> dict:
         conv = lac.get("short_conv_kernel_size", conv)
         lower = lac.get("gate_lower_bound", lower)
         if lac.get("safe_gate", True) and lower is None:
-            lower = -5.0
+            lower = HF_TEXT_DEFAULTS["linear_lower_bound"]
 
-    n_group = int(t.get("n_group") or 1)
-    topk_group = int(t.get("topk_group") or 1)
-    num_experts = int(t.get("n_routed_experts", 288))
-    moe_ffn = int(t.get("moe_intermediate_size", 2048))
-    n_shared = int(t.get("n_shared_experts") or 0)
+    n_group = int(t["n_group"] or 1)
+    topk_group = int(t["topk_group"] or 1)
+    num_experts = int(t["n_routed_experts"])
+    moe_ffn = int(t["moe_intermediate_size"])
+    n_shared = int(t["n_shared_experts"] or 0)
     mtp = int(t.get("num_nextn_predict_layers") or 0)
     has_moe = SPARSE_MLP in mlp_types
     kw = dict(
         num_layers=n,
-        hidden_size=int(t.get("hidden_size", 4096)),
+        hidden_size=int(t["hidden_size"]),
         num_attention_heads=heads,
         num_query_groups=heads,
-        ffn_hidden_size=int(t.get("intermediate_size", 12288)),
-        vocab_size=int(t.get("vocab_size", 154880)),
-        pad_token_id=t.get("pad_token_id"),
-        tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
-        layernorm_epsilon=float(t.get("rms_norm_eps", 1e-5)),
-        init_method_std=float(t.get("initializer_range", 0.02)),
+        ffn_hidden_size=int(t["intermediate_size"]),
+        vocab_size=int(t["vocab_size"]),
+        pad_token_id=raw.get("pad_token_id"),
+        tie_word_embeddings=bool(t["tie_word_embeddings"]),
+        layernorm_epsilon=float(t["rms_norm_eps"]),
+        init_method_std=float(t["initializer_range"]),
         # MLA (NoPE)
-        q_lora_rank=t.get("q_lora_rank", 1536),
-        kv_lora_rank=int(t.get("kv_lora_rank", 512)),
-        qk_head_dim=int(t.get("qk_nope_head_dim", 256)),
+        q_lora_rank=t["q_lora_rank"],
+        kv_lora_rank=int(t["kv_lora_rank"]),
+        qk_head_dim=int(t["qk_nope_head_dim"]),
         qk_pos_emb_head_dim=0,
-        v_head_dim=int(t.get("v_head_dim", 256)),
+        v_head_dim=int(t["v_head_dim"]),
         # MoE
         num_moe_experts=num_experts if has_moe else None,
         moe_ffn_hidden_size=moe_ffn if has_moe else None,
-        moe_router_topk=int(t.get("num_experts_per_tok", 8)),
+        moe_router_topk=int(t["num_experts_per_tok"]),
         moe_shared_expert_intermediate_size=(moe_ffn * n_shared) if (n_shared and has_moe) else None,
         n_shared_experts=n_shared,
         moe_layer_freq=[1 if x == SPARSE_MLP else 0 for x in mlp_types],
-        moe_router_topk_scaling_factor=float(t.get("routed_scaling_factor", 2.5)),
+        moe_router_topk_scaling_factor=float(t["routed_scaling_factor"]),
         moe_router_num_groups=n_group if n_group > 1 else None,
         moe_router_group_topk=topk_group if n_group > 1 else None,
-        norm_topk_prob=bool(t.get("norm_topk_prob", True)),
-        swiglu_limit=float(t.get("swiglu_limit", 10.0)),
+        norm_topk_prob=bool(t["norm_topk_prob"]),
+        swiglu_limit=float(t["swiglu_limit"]),
         mtp_num_layers=mtp or None,
         # GLM schedules
         layer_types=list(layer_types),
@@ -276,15 +276,15 @@ def _text_fields_from_hf(t: dict) -> dict:
         linear_head_dim=int(linear_head_dim),
         linear_conv_kernel_dim=int(conv),
         linear_lower_bound=None if lower is None else float(lower),
-        index_n_heads=int(t.get("index_n_heads", 32)),
-        index_head_dim=int(t.get("index_head_dim", 128)),
-        index_topk=int(t.get("index_topk", 2048)),
-        index_kpool=int(t.get("index_kpool", 16)),
-        index_kpool_always_select_tail=bool(t.get("index_kpool_always_select_tail", True)),
-        hc_mult=int(t.get("hc_mult", 4)),
-        hc_eps=float(t.get("hc_eps", 1e-6)),
-        hc_sinkhorn_iters=int(t.get("hc_sinkhorn_iters", 20)),
-        hf_text_config=t,
+        index_n_heads=int(t["index_n_heads"]),
+        index_head_dim=int(t["index_head_dim"]),
+        index_topk=int(t["index_topk"]),
+        index_kpool=int(t["index_kpool"]),
+        index_kpool_always_select_tail=bool(t["index_kpool_always_select_tail"]),
+        hc_mult=int(t["hc_mult"]),
+        hc_eps=float(t["hc_eps"]),
+        hc_sinkhorn_iters=int(t["hc_sinkhorn_iters"]),
+        hf_text_config=dict(raw),
     )
     return kw
 

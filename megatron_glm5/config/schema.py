@@ -14,6 +14,8 @@ from typing import Any, List, Optional
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_glm5.config.hf import HFConfigIO
+from megatron_glm5.config.hf_defaults import HF_TEXT_DEFAULTS as _HF
+from megatron_glm5.config.hf_defaults import HF_TOP_DEFAULTS as _HF_TOP
 from megatron_glm5.config.vision import Glm5VisionConfig
 from megatron_glm5.errors import Glm5ConfigError
 from megatron_glm5.layer_types import DENSE_MLP, INDEXED_ATTENTION, LINEAR_ATTENTION, SPARSE_MLP
@@ -31,15 +33,18 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
 
     megatron-core fields carry the shared parts (num_layers, hidden_size, num_attention_heads = DSA heads,
     ffn_hidden_size = dense MLP width, MLA ranks, MoE router/expert settings, mtp_num_layers). The fields below
-    carry what megatron-core has no name for.
+    carry what megatron-core has no name for; those named as an HF config key default to transformers'
+    ``Glm5NextTextConfig`` / ``Glm5NextConfig`` default (:mod:`~megatron_glm5.config.hf_defaults`), the same value
+    ``from_hf`` gives a config.json that leaves the key out.
     """
 
     # ---- vocabulary / embeddings ----
-    vocab_size: int = 154880
+    vocab_size: int = _HF["vocab_size"]
     """Size of the token vocabulary (embedding rows and lm_head rows)."""
     pad_token_id: Optional[int] = None
-    """Padding token id (informational; the embedding has no special padding row at training time)."""
-    tie_word_embeddings: bool = False
+    """Padding token id as the config.json gives it, None where it gives none (informational; the embedding has no
+    special padding row at training time, and the context-parallel padding uses 0 when this is None)."""
+    tie_word_embeddings: bool = _HF["tie_word_embeddings"]
     """GLM-5.3 unties lm_head from the embedding."""
 
     # ---- per-layer schedules ----
@@ -52,13 +57,13 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     full DSA layer). Only read at DSA layers."""
 
     # ---- Kimi Delta Attention ----
-    linear_num_heads: int = 64
+    linear_num_heads: int = _HF["linear_num_heads"]
     """KDA heads (q, k and v share the head count)."""
-    linear_head_dim: int = 128
+    linear_head_dim: int = _HF["linear_head_dim"]
     """KDA head dimension (K = V)."""
-    linear_conv_kernel_dim: int = 4
+    linear_conv_kernel_dim: int = _HF["linear_conv_kernel_dim"]
     """Width of the causal depthwise short convolution on q, k and v."""
-    linear_lower_bound: Optional[float] = -5.0
+    linear_lower_bound: Optional[float] = _HF["linear_lower_bound"]
     """Bounded ('safe') forget gate: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)); None selects the softplus
     gate g = -exp(A_log) * softplus(f + dt_bias)."""
     kda_chunk_size: int = 64
@@ -79,15 +84,15 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     'fla_fused' (the execution plan; ``--no-kda-save-intermediates`` turns it off)."""
 
     # ---- KPool DSA ----
-    index_n_heads: int = 32
+    index_n_heads: int = _HF["index_n_heads"]
     """Indexer heads."""
-    index_head_dim: int = 128
+    index_head_dim: int = _HF["index_head_dim"]
     """Indexer head dimension (also the pooled-key width)."""
-    index_topk: int = 2048
+    index_topk: int = _HF["index_topk"]
     """Token budget of the sparse attention; index_topk / index_kpool pools are selected per query."""
-    index_kpool: int = 16
+    index_kpool: int = _HF["index_kpool"]
     """Tokens per pool. The released checkpoint uses 4 (the HF class default is 16): always read it from the file."""
-    index_kpool_always_select_tail: bool = True
+    index_kpool_always_select_tail: bool = _HF["index_kpool_always_select_tail"]
     """Whether the query's own incomplete pool (up to and including the query) is always attended."""
     dsa_indexer_warmup: bool = False
     """The indexer's dense warm-up stage (DeepSeek-V3.2): the DSA layers attend densely to every causal position of
@@ -100,11 +105,11 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     Triton sparse absorbed-MLA kernel, forward and backward: the GPU fast path). None: the execution plan picks."""
 
     # ---- manifold-constrained hyper-connections ----
-    hc_mult: int = 4
+    hc_mult: int = _HF["hc_mult"]
     """Number of residual streams."""
-    hc_eps: float = 1e-6
+    hc_eps: float = _HF["hc_eps"]
     """Epsilon added to pre weights and inside each Sinkhorn normalisation."""
-    hc_sinkhorn_iters: int = 20
+    hc_sinkhorn_iters: int = _HF["hc_sinkhorn_iters"]
     """Sinkhorn iterations for the comb (stream mixing) matrix."""
     mhc_stream_grad_fusion: bool = False
     """Fused mHC path (CUDA): the output side's gradient of the residual streams is added inside the input side's
@@ -112,11 +117,11 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     of two)."""
 
     # ---- MoE extras ----
-    swiglu_limit: float = 10.0
+    swiglu_limit: float = _HF["swiglu_limit"]
     """SwiGLU clamp (gate above, up on both sides) for dense MLP, experts and shared expert."""
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = _HF["norm_topk_prob"]
     """Normalise the selected sigmoid scores to sum to 1 (megatron-core's sigmoid router always does for topk>1)."""
-    n_shared_experts: int = 1
+    n_shared_experts: int = _HF["n_shared_experts"]
     """Shared experts, fused into one MLP of moe_ffn_hidden_size * n_shared_experts."""
     moe_experts_backend: Optional[str] = None
     """Routed experts: 'sequential' (megatron-core SequentialMLP, one GEMM pair per expert) or 'grouped' (the same
@@ -133,17 +138,17 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     # ---- vision / multimodal ----
     vision: Optional[Glm5VisionConfig] = None
     """Vision tower config; None builds a text-only model."""
-    image_token_id: int = 154854
+    image_token_id: int = _HF_TOP["image_token_id"]
     """Placeholder token replaced by merged image features."""
-    video_token_id: int = 154855
+    video_token_id: int = _HF_TOP["video_token_id"]
     """Video placeholder id (same as image id in some checkpoints; videos are told apart by start/end spans)."""
-    image_start_token_id: int = 154830
+    image_start_token_id: int = _HF_TOP["image_start_token_id"]
     """Token that opens an image's placeholder span."""
-    image_end_token_id: int = 154831
+    image_end_token_id: int = _HF_TOP["image_end_token_id"]
     """Token that closes an image's placeholder span."""
-    video_start_token_id: int = 154832
+    video_start_token_id: int = _HF_TOP["video_start_token_id"]
     """Token that opens a video's placeholder span."""
-    video_end_token_id: int = 154833
+    video_end_token_id: int = _HF_TOP["video_end_token_id"]
     """Token that closes a video's placeholder span."""
 
     # ---- pipeline ----

@@ -5,40 +5,42 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_glm5.config.hf_defaults import HF_VISION_DEFAULTS as _HF
 from megatron_glm5.errors import Glm5ConfigError
 
 
 @dataclass
 class Glm5VisionConfig:
-    """The GLM-5.3 vision tower (HF ``vision_config``, model_type ``glm5_next_vision``)."""
+    """The GLM-5.3 vision tower (HF ``vision_config``, model_type ``glm5_next_vision``). Each field's default is
+    transformers' ``Glm5NextVisionConfig`` default (:mod:`~megatron_glm5.config.hf_defaults`)."""
 
-    depth: int = 24
+    depth: int = _HF["depth"]
     """Number of ViT blocks."""
-    hidden_size: int = 1024
+    hidden_size: int = _HF["hidden_size"]
     """ViT width."""
-    num_heads: int = 16
+    num_heads: int = _HF["num_heads"]
     """ViT attention heads; head_dim = hidden_size / num_heads."""
-    intermediate_size: int = 4096
+    intermediate_size: int = _HF["intermediate_size"]
     """Width of the ViT blocks' clamped-SwiGLU MLP."""
-    out_hidden_size: int = 1536
+    out_hidden_size: int = _HF["out_hidden_size"]
     """Width after the spatial-merge downsample conv and of the patch merger (equals the LM hidden size)."""
-    projection_intermediate_size: int = 10240
+    projection_intermediate_size: int = _HF["projection_intermediate_size"]
     """Width of the patch merger's clamped SwiGLU."""
-    patch_size: int = 14
+    patch_size: int = _HF["patch_size"]
     """Spatial patch size of the Conv3d patch embedding."""
-    temporal_patch_size: int = 2
+    temporal_patch_size: int = _HF["temporal_patch_size"]
     """Temporal patch size (frames per patch)."""
-    spatial_merge_size: int = 2
+    spatial_merge_size: int = _HF["spatial_merge_size"]
     """Side of the square of patches merged into one LM token."""
-    in_channels: int = 3
+    in_channels: int = _HF["in_channels"]
     """Image channels."""
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = _HF["rms_norm_eps"]
     """Epsilon of the ViT RMSNorms (inside the sqrt)."""
-    attention_bias: bool = True
+    attention_bias: bool = _HF["attention_bias"]
     """Whether qkv / proj / MLP linears of the ViT blocks have a bias."""
-    swiglu_limit: float = 10.0
+    swiglu_limit: float = _HF["swiglu_limit"]
     """Clamp of the SwiGLU gate (above) and up (both sides) in the ViT MLPs and the merger."""
-    rope_theta: float = 10000.0
+    rope_theta: float = _HF["rope_theta"]
     """Base of the axial 2-D rotary embedding."""
 
     @classmethod
