@@ -81,3 +81,9 @@ def tiny_data(tmp_path_factory):
 def parallel_data(tmp_path_factory):
     """The data of the parallel-layout runs (tools/make_tiny_data.py: 4 text documents, 10 VQA records)."""
     return _make_tiny_data(tmp_path_factory, "parallel_data", 4, 10)
+
+
+@pytest.fixture(scope="module")
+def parallel_workdir(request, tmp_path_factory):
+    """A folder per test module for the parallel-layout runs' checkpoints, configs and TensorBoard logs."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])

@@ -464,16 +464,6 @@ INDEXER_LOSS = ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-use-sparse-los
 _ONE_RANK = {}
 
 
-@pytest.fixture(scope="module")
-def pworkdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("indexer_parallel")
-
-
-@pytest.fixture(scope="module")
-def pdata(parallel_data):
-    return parallel_data
-
-
 def _peaked_checkpoint(workdir):
     """(HF config dir, a layout-free 'release' checkpoint): the 'moe' model with its indexers' matrices drawn with
     std 0.3 (Megatron-LM's layout, as tests/test_parallel_training.py writes it)."""
@@ -528,7 +518,7 @@ WARMUP = ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-warmup", str(STEPS)]
 
 @pytest.mark.parametrize("layout, stage", [("tp2_sp", "sparse"), ("cp2", "sparse"), ("pp2", "sparse"),
                                            ("cp2", "warmup")])
-def test_indexer_loss_per_step_equals_one_rank(pworkdir, pdata, mcore, layout, stage):
+def test_indexer_loss_per_step_equals_one_rank(parallel_workdir, parallel_data, mcore, layout, stage):
     """The sparse indexer loss of each of 3 SGD steps (TensorBoard 'indexer loss': the mean over the 3 indexers,
     decoder and MTP) at tp2_sp (heads split, the head sum all-reduced), cp2 (queries split, the row's count of
     rows) and pp2 (the indexers on two stages) equals the one-rank run's to 1e-5, and so do the LM loss and the
@@ -536,11 +526,11 @@ def test_indexer_loss_per_step_equals_one_rank(pworkdir, pdata, mcore, layout, s
     at cp2 too."""
     loss_flags = WARMUP if stage == "warmup" else INDEXER_LOSS
     if stage not in _ONE_RANK:
-        _ONE_RANK[stage] = _indexer_run(pworkdir, pdata, f"one_rank_{stage}", [], 1, loss_flags)
+        _ONE_RANK[stage] = _indexer_run(parallel_workdir, parallel_data, f"one_rank_{stage}", [], 1, loss_flags)
     ref_idx, ref_lm, ref_w = _ONE_RANK[stage]
     nproc, flags, variant = LAYOUTS[layout]
     assert variant == "moe"
-    idx, lm, w = _indexer_run(pworkdir, pdata, f"{layout}_{stage}", flags, nproc, loss_flags)
+    idx, lm, w = _indexer_run(parallel_workdir, parallel_data, f"{layout}_{stage}", flags, nproc, loss_flags)
     print(f"\n{layout} ({stage}): indexer loss {idx} one rank {ref_idx}")
     assert sorted(idx) == sorted(ref_idx) == list(range(1, STEPS + 1))
     for step in idx:

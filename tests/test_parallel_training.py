@@ -55,16 +55,6 @@ def _hf_config(variant: str) -> dict:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("parallel_training")
-
-
-@pytest.fixture(scope="module")
-def data(parallel_data):
-    return parallel_data
-
-
 def _initial_checkpoint(workdir, variant: str):
     """(HF config dir, a dist checkpoint of random initial weights) for a model variant; written once."""
     root = workdir / f"init_{variant}"
@@ -165,8 +155,8 @@ def _check_layout(name, workdir, data):
 
 
 def _layout_test(name: str):
-    def test(workdir, data, mcore):
-        _check_layout(name, workdir, data)
+    def test(parallel_workdir, parallel_data, mcore):
+        _check_layout(name, parallel_workdir, parallel_data)
 
     test.__name__ = test.__qualname__ = f"test_parallel_{name}"
     test.__doc__ = f"{name}: {LAYOUTS[name][0]} ranks, {' '.join(LAYOUTS[name][1])}: the one-rank losses and weights."
@@ -177,10 +167,11 @@ for _name in LAYOUTS:  # test_parallel_tp2, test_parallel_tp2_sp, ... one named 
     globals()[f"test_parallel_{_name}"] = _layout_test(_name)
 
 
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_dp4(workdir, data, mcore):
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_dp4(parallel_workdir, parallel_data, mcore):
     """Adam with the distributed optimizer: 2 steps at TP2 x PP2 (saved fully reshardable), then the third step at
     DP4 from that checkpoint (weights, Adam moments, scheduler and data position resharded). The third step's loss equals the
     one-rank run's, and so do the weights after it (which need the loaded Adam moments)."""
+    workdir, data = parallel_workdir, parallel_data
     hf, init = _initial_checkpoint(workdir, "moe4")
     ref_losses, ref_weights = _reference(workdir, data, "moe4", [], "adam")
     common = _common(hf, data, "adam") + ["--use-distributed-optimizer"]
