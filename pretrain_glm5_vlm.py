@@ -53,18 +53,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     return model
 
 
-def _data_error_exit(e: Exception):
-    """A bad data input (:class:`megatron_glm5.data.DataError`): one line on stderr (from rank 0 for what every rank
-    finds, from the rank that read it otherwise), exit status 1."""
-    import os
-
-    from megatron_glm5.cli import one_line
-
-    if getattr(e, "rank_local", False) or int(os.environ.get("RANK", "0")) == 0:
-        print(f"pretrain_glm5_vlm.py: error: {one_line(e)}", file=sys.stderr, flush=True)
-    raise SystemExit(1)
-
-
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Mock, indexed-text or packed image+text data, per --mock-data / --data-path / --dataset-type.
 
@@ -73,11 +61,12 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     external``), started at the checkpoint's consumed samples. Bad data (a corrupt ``.bin`` / ``.idx`` or index
     cache, a bad record, image or tar) ends the run before training with one line naming the file."""
     from megatron_glm5.data import DataError
+    from megatron_glm5.training.data_accounting import data_error_exit
 
     try:
         return _datasets(train_val_test_num_samples)
     except DataError as e:
-        _data_error_exit(e)
+        data_error_exit(e)
 
 
 def _datasets(train_val_test_num_samples):
@@ -102,85 +91,6 @@ def _datasets(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True  # every rank reads its own micro batches
 
 
-DATA_COUNTS = {"placeholder_tokens_masked": 0, "documents_skipped": 0, "reported": 0, "text_tokens": 0,
-               "image_tokens": 0, "video_tokens": 0, "row_tokens": 0}
-"""Totals of this rank: text tokens that are image/video placeholder ids kept out of the loss, packed documents
-skipped because their image or video could not be read, the text / image / video tokens of the packed documents
-read (``--dataset-type chat``; also TensorBoard ``data/*-tokens``, and ``packing-efficiency`` becomes their sum over
-``row_tokens``, the rows' capacity read so far); ``reported``: the iteration of the last report."""
-
-
-def _report_data_counts(iteration: int, log_interval: int) -> None:
-    """The totals as one line, on the first occurrence and then at most once per ``--log-interval`` iterations."""
-    if DATA_COUNTS["reported"] and iteration - DATA_COUNTS["reported"] < max(log_interval, 1):
-        return
-    DATA_COUNTS["reported"] = iteration
-    parts = []
-    if DATA_COUNTS["placeholder_tokens_masked"]:
-        parts.append(f"{DATA_COUNTS['placeholder_tokens_masked']} text token(s) that are image/video placeholder ids "
-                     f"kept out of the loss")
-    if DATA_COUNTS["documents_skipped"]:
-        parts.append(f"{DATA_COUNTS['documents_skipped']} document(s) with an unreadable image or video skipped")
-    print(f"data: up to iteration {iteration} on this rank: {'; '.join(parts)}", flush=True)
-
-
-def _checked_rows(batch: dict, config) -> dict:
-    """A micro batch as the loader gave it, checked: token ids outside the model's vocabulary end the run (one line,
-    exit 1: the data was tokenized for another model); in indexed text rows (no ``cu_seqlens``, not
-    ``--mock-data``) positions whose token or label is an image/video placeholder id get ``loss_mask`` 0 and are
-    counted (a text corpus holding literal ``<|image|>`` strings must not teach the model to emit or follow
-    placeholders without images); packed rows report the documents they skipped (``skipped_documents``, an
-    unreadable image), counted. The totals are printed when they grow (at most once per ``--log-interval``)."""
-    import torch
-    from megatron.training import get_args
-
-    from megatron_glm5.data import DataError
-    from megatron_glm5.data.vqa import placeholder_ids
-
-    args = get_args()
-    iteration = args.curr_iteration + 1
-    grew = False
-    skipped = batch.pop("skipped_documents", None)
-    if skipped is not None and int(skipped.sum()) > 0:
-        DATA_COUNTS["documents_skipped"] += int(skipped.sum())
-        grew = True
-    modality = batch.pop("modality_tokens", None)
-    if modality is not None:
-        from megatron.training.global_vars import get_tensorboard_writer
-
-        from megatron_glm5.training.moe_load_logging import PACKING_EFFICIENCY
-
-        for key, n in zip(("text_tokens", "image_tokens", "video_tokens"), modality.reshape(-1, 3).sum(0).tolist()):
-            DATA_COUNTS[key] += int(n)
-        DATA_COUNTS["row_tokens"] += int(batch["tokens"].numel())
-        PACKING_EFFICIENCY[0] = sum(DATA_COUNTS[k] for k in ("text_tokens", "image_tokens", "video_tokens")) \
-            / DATA_COUNTS["row_tokens"]
-        writer = get_tensorboard_writer()
-        if writer is not None and iteration % max(args.log_interval, 1) == 0:
-            for key in ("text_tokens", "image_tokens", "video_tokens", "documents_skipped"):
-                writer.add_scalar("data/" + key.replace("_", "-"), DATA_COUNTS[key], iteration)
-    vocab = int(config.vocab_size)
-    for key in ("tokens", "labels"):
-        bad = (batch[key] < 0) | (batch[key] >= vocab)
-        if bool(bad.any()):
-            e = DataError(f"--data-path: a micro batch of iteration {iteration} holds {key[:-1]} id "
-                          f"{int(batch[key][bad][0])}, outside the model's vocabulary of {vocab}: the data was "
-                          f"tokenized for another model (re-run tools/preprocess_data.py with its tokenizer)")
-            e.rank_local = True
-            _data_error_exit(e)
-    if "cu_seqlens" not in batch and not args.mock_data:
-        special = torch.tensor(sorted(placeholder_ids(config)), dtype=batch["tokens"].dtype)
-        hit = torch.isin(batch["tokens"], special) | torch.isin(batch["labels"], special)
-        n = int((hit & (batch["loss_mask"] != 0)).sum())
-        if n:
-            batch["loss_mask"] = batch["loss_mask"].masked_fill(hit, 0.0)
-            DATA_COUNTS["placeholder_tokens_masked"] += n
-            grew = True
-    if grew:
-        _report_data_counts(iteration, args.log_interval)
-    return batch
-
-
 def get_batch(data_iterator, config) -> dict:
     """The next micro batch on this rank's device: tokens / labels [b, s], loss_mask [b, s]; a packed row (b = 1)
     also has cu_seqlens [n_docs + 1] and, with images, pixel_values [patches, C*T*P*P] and image_grid_thw [k, 3],
@@ -196,9 +106,10 @@ def get_batch(data_iterator, config) -> dict:
 
     from megatron.training import get_args
 
+    from megatron_glm5.training.data_accounting import checked_rows
     from megatron_glm5.training.flops import record_images
 
-    batch = _checked_rows(next(data_iterator), config)
+    batch = checked_rows(next(data_iterator), config)
     record_images(get_args().curr_iteration, batch.get("image_grid_thw"), batch.get("video_grid_thw"))
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:
