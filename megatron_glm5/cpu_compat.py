@@ -190,10 +190,15 @@ def cpu_compat_enabled() -> bool:
 
 
 def enable_cpu_compat() -> None:
-    """Redirect megatron-core's CUDA-only calls to the CPU. Idempotent; does nothing if CUDA is available."""
+    """Redirect megatron-core's CUDA-only calls to the CPU. Idempotent; does nothing if CUDA is available. Refuses
+    (one line, :class:`~megatron_glm5.mcore_version.UnsupportedMegatronCore`) a megatron-core outside
+    :data:`~megatron_glm5.mcore_version.TRAINER_VERSIONS`."""
     global _ENABLED
     if _ENABLED or torch.cuda.is_available():
         return
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "the CPU redirects of megatron-core's CUDA calls (cpu_compat.py)")
     cuda = torch.cuda
     cuda.current_device = lambda: "cpu"
     cuda.Stream = _InertStream

@@ -17,17 +17,25 @@ def _free_port() -> int:
 
 
 def install_patches() -> None:
-    """This project's changes to megatron-core, installed by every entry point (idempotent): the fixes of
-    :mod:`megatron_glm5.mcore_fixes` for the versions that need them, and the MoE token permutation of
-    :mod:`megatron_glm5.models.token_permutation` in megatron-core's dispatchers, and checkpoint reads that run no
-    code from the checkpoint (:func:`megatron_glm5.checkpoint.safe_load.install_dcp_read_guards`)."""
+    """This project's changes to megatron-core, installed by every entry point (idempotent), each for the
+    megatron-core releases it is written for (:mod:`megatron_glm5.mcore_version`): checkpoint reads that run no code
+    from the checkpoint (:func:`megatron_glm5.checkpoint.safe_load.install_dcp_read_guards`; another release is
+    refused with one line, :class:`~megatron_glm5.mcore_version.UnsupportedMegatronCore`), the fixes of
+    :mod:`megatron_glm5.mcore_fixes` and the MoE token permutation of :mod:`megatron_glm5.models.token_permutation`
+    in megatron-core's dispatchers (outside their releases left out, said in one line on stderr)."""
+    from megatron_glm5 import mcore_version
     from megatron_glm5.checkpoint.safe_load import install_dcp_read_guards
-    from megatron_glm5.mcore_fixes import apply_mcore_fixes
+    from megatron_glm5.mcore_fixes import AFFECTED_VERSIONS, apply_mcore_fixes
     from megatron_glm5.models import token_permutation
 
+    mcore_version.require_version(mcore_version.TRAINER_VERSIONS,
+                                  "the checkpoint read guards (checkpoint/safe_load.py: megatron-core's common.pt)")
     install_dcp_read_guards()
-    apply_mcore_fixes()
-    token_permutation.install()
+    if mcore_version.skip_notice(AFFECTED_VERSIONS, "the megatron-core fixes of mcore_fixes.py"):
+        apply_mcore_fixes()
+    if mcore_version.skip_notice(token_permutation.SUPPORTED_VERSIONS,
+                                 "the MoE token permutation (models/token_permutation.py)"):
+        token_permutation.install()
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,

@@ -38,7 +38,8 @@ against ``megatron.core.package_info.__version__``; each bug was read in and rep
   rebuild a bad one on rank 0 and publish new ones atomically; the deferred (``defer_npy_index_mmap``) reads,
   megatron-core's ``safe_numpy_load`` in both modules, load without pickle too.
 
-Entry points call :func:`apply_mcore_fixes` (idempotent); importing this module changes nothing.
+Entry points install them through :func:`megatron_glm5.initialize.install_patches` (which says in one line when
+the installed megatron-core lies outside :data:`AFFECTED_VERSIONS`); importing this module changes nothing.
 """
 
 from __future__ import annotations

@@ -287,6 +287,9 @@ def install_schedule_check() -> bool:
     rate schedule differs from the checkpoint's; it raises one :class:`CheckpointDirError` line instead, naming the
     value, the flags behind it and the two ways to resume (Megatron-LM's --use-checkpoint-opt_param-scheduler /
     --override-opt_param-scheduler). Idempotent; returns whether it installed it now."""
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "the learning-rate schedule check (training/checkpoint_checks.py)")
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     upstream = OptimizerParamScheduler._check_and_set

@@ -46,6 +46,9 @@ def _save_state_with_checkpoints(loader, args, dp_rank: int) -> None:
     folder (``iter_NNNNNNN/train_dataloader_dprankRRR.pt``, Megatron-LM's file name; rank 0 of its tensor- and
     pipeline-parallel group writes it). The folder's ``integrity.json`` then covers it. Megatron-LM's own
     ``--dataloader-save`` puts it in an ``mp_rank_00/`` subfolder, which no checkpoint folder of this model holds."""
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "the Energon loader state in checkpoints (training/data_loaders.py)")
     import os
 
     import torch

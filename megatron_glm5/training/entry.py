@@ -109,10 +109,12 @@ def user_errors() -> tuple:
     """The exceptions a user causes (bad flags, data, configs or checkpoints, a run stopped by non-finite steps): the
     entry ends the run with one line, no traceback. Every other exception is a bug and keeps its traceback."""
     from megatron_glm5.errors import ArgumentError, CheckpointError, DataError, Glm5ConfigError
+    from megatron_glm5.mcore_version import UnsupportedMegatronCore
     from megatron_glm5.training.megatron_hooks import TrainingStopped
     from megatron_glm5.training.save_guard import SaveFailed
 
-    return (ArgumentError, CheckpointError, DataError, Glm5ConfigError, TrainingStopped, SaveFailed)
+    return (ArgumentError, CheckpointError, DataError, Glm5ConfigError, TrainingStopped, SaveFailed,
+            UnsupportedMegatronCore)
 
 
 # OSError numbers that are the machine's state, not a bug: the user's to fix (a full or read-only disk, no permission,

@@ -131,6 +131,9 @@ def _load_indexer_moments(model, optimizer, ckpt_dir: str, args) -> int:
 def install() -> bool:
     """Wrap the ``load_checkpoint`` that ``megatron.training.training`` calls (idempotent); True when installed
     now."""
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "the indexer stage switch (training/indexer_stages.py)")
     from megatron.training import training
 
     if getattr(training.load_checkpoint, "glm5_indexer_stage_switch", False):

@@ -1,5 +1,6 @@
 """What this model adds to Megatron-LM's trainer, in one place: each hook is installed by the training entry
-(:func:`install`), listed by :func:`describe`, and printed at start-up.
+(:func:`install`), listed by :func:`describe`, and printed at start-up; a megatron-core outside
+:data:`~megatron_glm5.mcore_version.TRAINER_VERSIONS` is refused with one line before anything is installed.
 
 * **Non-finite steps skipped and counted.** megatron-core's ``ChainedOptimizer.step`` applies an update whatever its
   gradient norm (its ``grad_norm_skip_threshold`` compares ``norm > threshold``, false for NaN) and whatever the
@@ -294,6 +295,9 @@ def _checkpoint_error_in(e: BaseException):
 
 def install_test_kill_during_save(iteration: int) -> None:
     """Testing aid (``--test-kill-during-save``): die in the middle of the checkpoint save of ``iteration``."""
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "--test-kill-during-save (training/megatron_hooks.py)")
     from megatron.training import checkpointing
 
     checkpointing.dist_checkpointing.kill_at = iteration
@@ -317,6 +321,9 @@ def _die_with_parent() -> None:
 
 def install_checkpoint_writer_queue() -> None:
     """Make megatron-core's checkpoint-writer results queue (see the module docstring); for runs that save."""
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "the checkpoint writer's queue (training/megatron_hooks.py)")
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "missing") is not None:  # made already, or another version
@@ -335,7 +342,12 @@ _MANAGERS: list = []
 
 
 def install() -> None:
-    """Install the hooks into ``megatron.training`` (idempotent)."""
+    """Install the hooks into ``megatron.training`` (idempotent); refuses (one line,
+    :class:`~megatron_glm5.mcore_version.UnsupportedMegatronCore`) a megatron-core outside
+    :data:`~megatron_glm5.mcore_version.TRAINER_VERSIONS`."""
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "the trainer hooks (training/megatron_hooks.py)")
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import training
 

@@ -450,6 +450,9 @@ _cleanup_own_non_persistent.glm5_hook = True
 
 def install() -> List[str]:
     """Install the hooks into ``megatron.training`` (idempotent); returns their descriptions."""
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "the save guards (training/save_guard.py)")
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.training import checkpointing, training
 
