@@ -1,6 +1,6 @@
 """Workarounds for megatron-core bugs that hit every device (without Apex / Transformer Engine), installed by
 :func:`apply_mcore_fixes` for the megatron-core versions known to have them (:data:`AFFECTED_VERSIONS`, checked
-against ``megatron.core.package_info.__version__``; each bug was read in and reproduced on both ends of the range).
+against ``megatron.core.package_info.__version__``: the first and last release whose sources hold each bug).
 
 * ``TopKRouter._apply_expert_bias`` masks the ``[tokens, experts]`` routing map with the flattened ``[tokens]``
   padding mask, which broadcasts along the expert dim (an error, or a wrong count when tokens == experts): the
