@@ -3,7 +3,7 @@
 megatron-core decorates its fusion functions (bias + GeLU/GeGLU/SwiGLU, ...) with ``megatron.core.jit.jit_fuser``,
 which is ``torch.compile`` on torch >= 2.2, when their modules are imported, and ``megatron.core``'s package import
 imports them all: each ``torch.compile`` call imports TorchDynamo and the Inductor configuration, about 2 s of
-start-up on the development VM (a third of the converter's import time). megatron's own switch,
+start-up on a 2-core CPU machine (a third of the converter's import time). megatron's own switch,
 ``megatron.core.jit.disable_jit_fuser()``, cannot be called before that import (it lives in the package it would
 have to precede). :func:`import_megatron_without_compile` imports megatron-core with ``torch.compile`` replaced by a
 pass-through decorator for the length of the import and then turns megatron's switch off as well, so the fusion

@@ -20,7 +20,7 @@ routed experts counted ``topk / experts``), peak memory, the ratio ours / transf
 kernels) of our step at ``--profile-seq``. Lengths from ``--recompute-from`` on run with full activation recompute in
 both models (transformers' gradient checkpointing, our ``recompute_granularity='full'``); an OOM is reported, not
 fatal. ``--sync-sites`` also lists the call sites that make the host wait for the GPU during our step at
-``--profile-seq`` (each one empties the launch queue; the step had none on 2026-12-03). ``--trace`` traces that step
+``--profile-seq`` (each one empties the launch queue). ``--trace`` traces that step
 with Python stacks and reports the GPU's idle time charged to the frames that launched the kernel after each gap.
 Every length also prints the last timed step's phases (forward, backward, optimizer), host time against GPU time.
 

@@ -21,7 +21,7 @@ def _memory(it: int, peak_mb: float) -> str:
             f"reserved: 58214.00 | max reserved: 58214.00\n")
 
 
-# the trainer's log at 4K on an H100 (2026-12-05), --log-interval 5: iteration 1 alone, then every 5
+# a trainer's log at 4K on an H100, --log-interval 5: iteration 1 alone, then every 5
 _LOG = (_line(1, 232453.2, 0.2, 12.78614) + _memory(1, 53525.29) + _line(5, 46656.5, 0.9, 12.73626)
         + _memory(5, 61632.86) + _line(10, 196.4, 224.2, 12.47994) + _line(15, 194.6, 226.3, 12.06499)
         + _line(20, 200.9, 219.2, 11.36068) + "MoE CUDA graphs: 4 layers, 80 replays, 0 eager calls\n")

@@ -2,7 +2,7 @@
 same weights on the reference backends, forward and every gradient; and ``scripts/bf16_parity.py`` as an asserted
 test (our bf16 logits no further from transformers' fp32 ones than transformers' own bf16 run).
 
-Bounds set on 2026-12-05 without a GPU run yet (the first lane run prints the measured errors): fp32 leaves room
+Each test prints the errors it measures. The bounds: fp32 leaves room
 for FLA's TF32 dots inside the KDA kernels; bf16 for rounding and for the routing and pool selections that bf16
 flips (a token moved to another expert moves that expert's gradient by a whole token)."""
 
@@ -68,8 +68,8 @@ def test_cuda_defaults_match_the_reference_backends(mcore, dtype):
 
 def test_bf16_parity_is_no_worse_than_transformers_bf16(tmp_path):
     """``scripts/bf16_parity.py`` (its random checkpoint and packed row of 700 + 900 + 400 tokens): our bf16 model's
-    mean KL from transformers' fp32 logits (per document) is at most transformers' own bf16 run's (H200,
-    2026-12-03: 1.80e-4 against 1.95e-4), and our fp32 model is within 1e-5 of it with >= 99 % top-1."""
+    mean KL from transformers' fp32 logits (per document) is at most transformers' own bf16 run's (docs/performance.md,
+    H200: 1.80e-4 against 1.95e-4), and our fp32 model is within 1e-5 of it with >= 99 % top-1."""
     import bf16_parity
 
     assert bf16_parity.main(["--out", str(tmp_path), "--tune-configs", "2"]) == 0

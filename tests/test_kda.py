@@ -371,10 +371,10 @@ def test_tensor_parallel_matches_single_rank(sequence_parallel):
 # ============================================================================ FLA backend (GPU)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [
-    torch.float32,  # passed on an H200 on 2026-12-02
+    torch.float32,
     pytest.param(torch.bfloat16, marks=pytest.mark.xfail(
-        run=False, reason="did not finish within 300 s on an H200 on 2026-12-02 (FLA bf16 backward; the fp32 case "
-                          "passes and the bf16 forward matches transformers in scripts/bf16_parity.py)")),
+        run=False, reason="does not finish within 300 s on an H200 (FLA bf16 backward; the fp32 case passes and "
+                          "the bf16 forward matches transformers in scripts/bf16_parity.py)")),
 ])
 def test_fla_backend_matches_torch(mcore, dtype):
     pytest.importorskip("triton")
