@@ -3,7 +3,8 @@
 
 Before Megatron-LM starts: on a machine without CUDA the CPU redirects (:mod:`megatron_glm5.cpu_compat`), this
 project's megatron-core changes (:func:`megatron_glm5.initialize.install_patches`), this model's hooks into the
-trainer (:mod:`megatron_glm5.training.megatron_hooks`, :mod:`megatron_glm5.training.flops`), then the flags
+trainer (:mod:`megatron_glm5.training.megatron_hooks`, :mod:`megatron_glm5.training.flops`; each refuses a
+megatron-core release it is not written for in one line, :mod:`megatron_glm5.mcore_version`), then the flags
 (:func:`megatron_glm5.training.arguments.parse_args`: one line and exit 2 on a bad one). A user-caused error later
 (:func:`user_errors`: bad data or checkpoints, too many non-finite steps in a row, a save that fails on a full disk,
 a ``--save`` another run holds (:mod:`megatron_glm5.training.save_guard`)) ends the run with one line and exit 1,
