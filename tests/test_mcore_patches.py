@@ -158,15 +158,10 @@ from megatron_glm5.training import megatron_hooks
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 if sys.argv[1] == "hooked":
     megatron_hooks.install_checkpoint_writer_queue()
-filesystem_async.get_write_results_queue()  # what megatron-core's async writer calls on its first save
-print("ready", flush=True)
+queue = filesystem_async.get_write_results_queue()  # what megatron-core's async writer calls on its first save
+print(queue._manager._process.pid, flush=True)  # the manager process that serves the queue
 time.sleep(600)
 """
-
-
-def _children(pid):
-    with open(f"/proc/{pid}/task/{pid}/children") as fh:
-        return [int(p) for p in fh.read().split()]
 
 
 def _alive(pid):
@@ -187,9 +182,8 @@ def test_checkpoint_writer_queue_process_dies_with_the_trainer(mode):
                              env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     managers = []
     try:
-        assert child.stdout.readline().strip() == "ready"
-        managers = _children(child.pid)
-        assert len(managers) == 1, managers
+        managers = [int(child.stdout.readline())]
+        assert _alive(managers[0])
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
         deadline = time.time() + 10
