@@ -183,7 +183,10 @@ def check_hf_config_types(full) -> None:
 
 def _text_fields_from_hf(raw: dict) -> dict:
     """Map an HF text config dict onto Glm5Config keyword arguments (mirrors Glm5NextTextConfig.__post_init__); a
-    key the dict leaves out takes ``Glm5NextTextConfig``'s default (:mod:`~megatron_glm5.config.hf_defaults`)."""
+    key the dict leaves out takes ``Glm5NextTextConfig``'s default (:mod:`~megatron_glm5.config.hf_defaults`), except
+    ``num_hidden_layers``: a config that names no depth is refused rather than built at the released 45 layers."""
+    if "num_hidden_layers" not in raw:
+        raise Glm5ConfigError("num_hidden_layers: missing from the text config")
     t = {**HF_TEXT_DEFAULTS, **raw}
     n = int(t["num_hidden_layers"])
     if raw.get("model_type") not in (None, "glm5_next_text", "glm5_next"):
