@@ -38,6 +38,13 @@ against ``megatron.core.package_info.__version__``: the first and last release w
   rebuild a bad one on rank 0 and publish new ones atomically; the deferred (``defer_npy_index_mmap``) reads,
   megatron-core's ``safe_numpy_load`` in both modules, load without pickle too.
 
+* ``DSAIndexerLossLoggingHelper.reduce_loss_in_tracker`` (the ``indexer loss`` log line of ``training_log``, called
+  on every rank) all-reduces the tracked losses over the pipeline group, but a rank whose stage holds no DSA layer
+  (no tracked values: under pipeline parallelism with a DSA layer every few layers, e.g. a virtual stage of one
+  KDA layer) returns before the all-reduce, and the other stages wait for it until the process group times out.
+  The replacement has such a rank join with zeros of the other stages' length (one small extra all-reduce of that
+  length over the pipeline group per logged iteration).
+
 Entry points install them through :func:`megatron_glm5.initialize.install_patches` (which says in one line when
 the installed megatron-core lies outside :data:`AFFECTED_VERSIONS`); importing this module changes nothing.
 """
@@ -49,6 +56,7 @@ from typing import Dict, Tuple
 import torch
 from megatron.core.datasets import blended_dataset, gpt_dataset
 from megatron.core.optimizer import distrib_optimizer
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_glm5.data import index_cache
@@ -178,6 +186,24 @@ def _blended_dataset_indices(self):
     return index_cache.blended_indices(self, UPSTREAM["dataset_cache_blended"])
 
 
+def _reduce_indexer_loss_on_every_stage():
+    """Upstream's reduction of the tracked indexer losses, joined by the pipeline stages that tracked none (zeros of
+    the other stages' length, agreed by an all-reduce MAX of the lengths over the pipeline group)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_pg_size
+
+    tracker = DSAIndexerLossLoggingHelper.tracker
+    ready = torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()
+    group = parallel_state.get_pipeline_model_parallel_group() if ready else None
+    if group is not None and get_pg_size(group) > 1:
+        values = tracker.get("values")
+        length = torch.tensor([0 if values is None else values.numel()], device=torch.cuda.current_device())
+        torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX, group=group)
+        if values is None and int(length.item()) > 0:
+            tracker["values"] = torch.zeros(int(length.item()), device=torch.cuda.current_device())
+    return UPSTREAM["dsa_indexer_loss_every_stage"]()
+
+
 _DistOpt = distrib_optimizer.DistributedOptimizer
 # name -> (class or module, attribute, replacement)
 FIXES: Dict[str, Tuple[object, str, object]] = {
@@ -192,6 +218,9 @@ FIXES: Dict[str, Tuple[object, str, object]] = {
     "dataset_cache_blended": (blended_dataset.BlendedDataset, "_build_indices", _blended_dataset_indices),
     "dataset_cache_gpt_deferred_load": (gpt_dataset, "safe_numpy_load", index_cache.safe_numpy_load),
     "dataset_cache_blended_deferred_load": (blended_dataset, "safe_numpy_load", index_cache.safe_numpy_load),
+    # a plain function on the class: megatron-core calls it as DSAIndexerLossLoggingHelper.reduce_loss_in_tracker()
+    "dsa_indexer_loss_every_stage": (DSAIndexerLossLoggingHelper, "reduce_loss_in_tracker",
+                                     _reduce_indexer_loss_on_every_stage),
 }
 # megatron-core's own functions, as found when this module was imported
 UPSTREAM: Dict[str, object] = {name: getattr(owner, attr) for name, (owner, attr, _) in FIXES.items()}

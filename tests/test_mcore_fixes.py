@@ -423,3 +423,36 @@ def test_token_permutation_version_guard(monkeypatch):
     assert token_permutation.install("0.19.2") == tuple(token_permutation.PATCHES)
     for name, (owner, attr, replacement) in token_permutation.PATCHES.items():
         assert getattr(owner, attr) is replacement, name
+
+
+# ------------------------------------------------------------------------------------- DSA indexer-loss logging
+def _indexer_loss_log(upstream: bool):
+    """pp2 on gloo: stage 0 holds no DSA layer (tracked nothing), stage 1 tracked two slots; both log."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+    from megatron_glm5.initialize import initialize_megatron
+
+    initialize_megatron(pp=2)
+    if upstream:
+        DSAIndexerLossLoggingHelper.reduce_loss_in_tracker = mcore_fixes.UPSTREAM["dsa_indexer_loss_every_stage"]
+    if torch.distributed.get_rank() == 1:
+        DSAIndexerLossLoggingHelper.save_loss_to_tracker(torch.tensor(0.25), 1, 2)
+        DSAIndexerLossLoggingHelper.save_loss_to_tracker(torch.tensor(0.75), 2, 2)
+    if upstream:  # stage 0 returns at once; stage 1 would wait in its all-reduce: ask whether it would
+        values = DSAIndexerLossLoggingHelper.tracker.get("values")
+        return None if values is None else values.tolist()
+    totals = {}
+    DSAIndexerLossLoggingHelper.track_indexer_metrics(loss_scale=1.0, iteration=1, writer=None,
+                                                      total_loss_dict=totals)
+    return float(totals["indexer loss"])
+
+
+@needs
+def test_indexer_loss_log_with_a_stage_without_dsa_layers(mcore):
+    """Megatron-LM logs 'indexer loss' on every rank; upstream, a pipeline stage that tracked no indexer loss skips
+    the pipeline all-reduce the others enter (a hang until the group times out). With the fix both stages log the
+    mean over the two slots, 0.5."""
+    from tests.parallel_harness import spawn
+
+    assert spawn(_indexer_loss_log, 2, True) == [None, [0.25, 0.75]]  # upstream: only stage 1 would all-reduce
+    assert spawn(_indexer_loss_log, 2, False) == [0.5, 0.5]
