@@ -464,9 +464,9 @@ INDEXER_LOSS = ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-use-sparse-los
 _ONE_RANK = {}
 
 
-def _peaked_checkpoint(workdir):
-    """(HF config dir, a layout-free 'release' checkpoint): the 'moe' model with its indexers' matrices drawn with
-    std 0.3 (Megatron-LM's layout, as tests/test_parallel_training.py writes it)."""
+def _peaked_checkpoint(workdir, variant: str = "moe"):
+    """(HF config dir, a layout-free 'release' checkpoint): the model ``variant`` of tests/test_parallel_training.py
+    with its indexers' matrices drawn with std 0.3 (Megatron-LM's layout, as that test writes it)."""
     import json
 
     from megatron.core import dist_checkpointing
@@ -476,11 +476,11 @@ def _peaked_checkpoint(workdir):
     from megatron_glm5.models.builder import build_model
     from tests.test_parallel_training import _hf_config
 
-    root = workdir / "init_peaked"
+    root = workdir / f"init_peaked_{variant}"
     if (root / "ckpt" / "latest_checkpointed_iteration.txt").exists():
         return root, root / "ckpt"
     root.mkdir(exist_ok=True)
-    hf = _hf_config("moe")
+    hf = _hf_config(variant)
     (root / "config.json").write_text(json.dumps(hf))
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
@@ -497,10 +497,10 @@ def _peaked_checkpoint(workdir):
     return root, root / "ckpt"
 
 
-def _indexer_run(workdir, data, name, flags, nproc, loss_flags=INDEXER_LOSS):
+def _indexer_run(workdir, data, name, flags, nproc, loss_flags=INDEXER_LOSS, variant="moe"):
     from tests.training_harness import read_dist_checkpoint, run, scalars
 
-    hf, init = _peaked_checkpoint(workdir)
+    hf, init = _peaked_checkpoint(workdir, variant)
     out = workdir / f"idx_{name}"
     args = _common(hf, data, "sgd") + ["--pretrained-checkpoint", str(init), "--save", str(out / "ckpt"),
                                        "--save-interval", "100", "--no-save-optim", "--tensorboard-dir",
@@ -517,27 +517,28 @@ WARMUP = ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-warmup", str(STEPS)]
 
 
 @pytest.mark.parametrize("layout, stage", [("tp2_sp", "sparse"), ("cp2", "sparse"), ("pp2", "sparse"),
-                                           ("cp2", "warmup")])
+                                           ("pp2_vpp2", "sparse"), ("cp2", "warmup")])
 def test_indexer_loss_per_step_equals_one_rank(parallel_workdir, parallel_data, mcore, layout, stage):
     """The sparse indexer loss of each of 3 SGD steps (TensorBoard 'indexer loss': the mean over the 3 indexers,
     decoder and MTP) at tp2_sp (heads split, the head sum all-reduced), cp2 (queries split, the row's count of
-    rows) and pp2 (the indexers on two stages) equals the one-rank run's to 1e-5, and so do the LM loss and the
-    trained indexer weights (relative to each tensor's largest entry); the warm-up (dense attention and target)
-    at cp2 too."""
+    rows), pp2 (the indexers on two stages) and pp2_vpp2 (the 4-layer model, one layer per virtual stage, the MTP
+    indexer on the last) equals the one-rank run's to 1e-5, and so do the LM loss and the trained indexer weights
+    (relative to each tensor's largest entry); the warm-up (dense attention and target) at cp2 too."""
     loss_flags = WARMUP if stage == "warmup" else INDEXER_LOSS
-    if stage not in _ONE_RANK:
-        _ONE_RANK[stage] = _indexer_run(parallel_workdir, parallel_data, f"one_rank_{stage}", [], 1, loss_flags)
-    ref_idx, ref_lm, ref_w = _ONE_RANK[stage]
     nproc, flags, variant = LAYOUTS[layout]
-    assert variant == "moe"
-    idx, lm, w = _indexer_run(parallel_workdir, parallel_data, f"{layout}_{stage}", flags, nproc, loss_flags)
+    model_flags = flags[flags.index("--num-layers"):][:2] if "--num-layers" in flags else []
+    if (stage, variant) not in _ONE_RANK:
+        _ONE_RANK[stage, variant] = _indexer_run(parallel_workdir, parallel_data, f"one_rank_{stage}_{variant}", model_flags, 1,
+                                                 loss_flags, variant)
+    ref_idx, ref_lm, ref_w = _ONE_RANK[stage, variant]
+    idx, lm, w = _indexer_run(parallel_workdir, parallel_data, f"{layout}_{stage}", flags, nproc, loss_flags, variant)
     print(f"\n{layout} ({stage}): indexer loss {idx} one rank {ref_idx}")
     assert sorted(idx) == sorted(ref_idx) == list(range(1, STEPS + 1))
     for step in idx:
         assert ref_idx[step] > 0
         assert abs(idx[step] - ref_idx[step]) <= 1e-5 * abs(ref_idx[step]), (step, idx, ref_idx)
         assert abs(lm[step] - ref_lm[step]) <= 1e-5 * abs(ref_lm[step]), (step, lm, ref_lm)
-    assert w.keys() == ref_w.keys() and len(w) == 3 * 7
+    assert w.keys() == ref_w.keys() and len(w) == 3 * 7  # 2 decoder indexers (both variants) and the MTP one
     for k in w:
         assert (w[k] - ref_w[k]).abs().max() <= 1e-5 * ref_w[k].abs().max(), k
 
