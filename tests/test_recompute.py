@@ -121,3 +121,25 @@ def test_full_recompute_of_a_shared_indexer_layer_with_two_micro_batches_in_flig
     assert g0.keys() == g1.keys() and len(g0) > 100
     worst = max(float((g0[k] - g1[k]).abs().max() / g0[k].abs().max().clamp(min=1e-30)) for k in g0)
     assert worst <= 1e-6, worst
+
+
+def test_full_recompute_is_megatron_cores_transformer_block(mcore, monkeypatch):
+    """The decoder is megatron-core's ``TransformerBlock`` over ``TransformerLayer`` s: full recompute runs its
+    ``checkpointed_forward`` (once per forward), the layers carry global layer numbers."""
+    import megatron.core.transformer.transformer_block as tb
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    calls = []
+    real = tb.checkpointed_forward
+    monkeypatch.setattr(tb, "checkpointed_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _model(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert isinstance(model.decoder, tb.TransformerBlock)
+    assert all(isinstance(layer, TransformerLayer) for layer in model.decoder.layers)
+    assert [layer.layer_number for layer in model.decoder.layers] == [1, 2, 3, 4, 5]
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    model(ids, labels=ids).sum().backward()
+    assert len(calls) == 1
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+    assert len(calls) == 1  # not in eval
