@@ -2,7 +2,8 @@
 
     first stage:  input_ids [b, s] -> embedding [s, b, h] (+ image / video features spliced at their placeholders)
                   -> (sequence parallel: scatter along s) -> expand to hc_mult streams [s, b, n*h]
-    every stage:  decoder layers of this PP (VPP) stage, streams in and out [s(/tp), b, n*h]
+    every stage:  decoder layers of this PP (VPP) stage (megatron-core's TransformerBlock), streams in and out
+                  [s(/tp), b, n*h]
     last stage:   mean over streams [s, b, h] -> final RMSNorm -> (MTP block) -> untied output layer
                   -> logits [b, s, vocab(/tp)] (or per-token loss [b, s] given labels)
 
