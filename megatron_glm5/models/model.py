@@ -2,7 +2,8 @@
 
     first stage:  input_ids [b, s] -> embedding [s, b, h] (+ image / video features spliced at their placeholders)
                   -> (sequence parallel: scatter along s) -> expand to hc_mult streams [s, b, n*h]
-    every stage:  decoder layers of this PP (VPP) stage, streams in and out [s(/tp), b, n*h]
+    every stage:  decoder layers of this PP (VPP) stage (megatron-core's TransformerBlock), streams in and out
+                  [s(/tp), b, n*h]
     last stage:   mean over streams [s, b, h] -> final RMSNorm -> (MTP block) -> untied output layer
                   -> logits [b, s, vocab(/tp)] (or per-token loss [b, s] given labels)
 
@@ -26,11 +27,9 @@ from typing import Dict, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.enums import ModelType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_token_prediction import (
     MTPLossAutoScaler,
     MTPLossLoggingHelper,
@@ -38,7 +37,7 @@ from megatron.core.transformer.multi_token_prediction import (
     _compute_mtp_acceptance_counts,
     tie_word_embeddings_state_dict,
 )
-from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megatron_glm5.config import Glm5Config
@@ -55,91 +54,56 @@ from megatron_glm5.models.mhc import contract_streams, expand_streams
 from megatron_glm5.models.norms import RMSNorm
 
 
-class Glm5Decoder(MegatronModule):
-    """The decoder layers of one PP (VPP) stage. Streams in and out are ``[s(/tp), b, n*h]``.
+class Glm5Decoder(TransformerBlock):
+    """The decoder layers of one PP (VPP) stage: megatron-core's ``TransformerBlock`` over GLM layers
+    (:class:`~megatron_glm5.models.layer.Glm5TransformerLayer`, one spec per layer from ``layer_types`` /
+    ``mlp_layer_types``). Its hidden state is the mHC streams ``[s(/tp), b, n*h]``, in and out.
 
-    DSA layers whose ``indexer_types`` entry is 'shared' reuse the top-k indices of the previous full DSA layer,
-    which must sit on the same (virtual) stage (checked when the config is built and again here).
+    ``TransformerBlock`` runs the layer loop, the pipeline input (``set_input_tensor``, read when not
+    ``pre_process``) and activation recompute: ``recompute_granularity='full'`` with ``recompute_method='uniform'``
+    checkpoints groups of ``recompute_num_layers`` layers, ``'block'`` the first ``recompute_num_layers`` layers of
+    the stage one by one (megatron's ``checkpointed_forward``); ``'selective'`` is handled inside each layer and
+    megatron's ``MoELayer`` ('moe', 'shared_experts'). The final norm is not the block's: it follows the mean over
+    the streams in :class:`Glm5Model` (``final_layernorm.weight`` at the model's top level).
 
-    Activation recompute follows megatron-core's ``TransformerBlock``: ``recompute_granularity='full'`` with
-    ``recompute_method='uniform'`` checkpoints groups of ``recompute_num_layers`` layers, ``'block'`` checkpoints
-    the first ``recompute_num_layers`` layers of the stage one by one; ``'selective'`` is handled inside each layer
-    (``Glm5TransformerLayer``) and megatron's ``MoELayer`` ('moe', 'shared_experts').
+    DSA layers whose ``indexer_types`` entry is 'shared' reuse the top-k of the previous full DSA layer, which
+    rides from layer to layer as the block's ``context`` (see ``Glm5TransformerLayer.forward``); that layer must
+    sit on the same (virtual) stage (checked when the config is built and again here).
     """
 
-    def __init__(self, config: Glm5Config, vp_stage: Optional[int] = None, pg_collection=None):
-        super().__init__(config=config)
+    def __init__(self, config: Glm5Config, vp_stage: Optional[int] = None, pg_collection=None,
+                 pre_process: bool = True, post_process: bool = True):
         from megatron_glm5.models.parallel_layout import check_shared_indexers
 
-        self.vp_stage = vp_stage
-        self.layer_range = get_stage_layer_range(config, vp_stage)
-        check_shared_indexers(config, self.layer_range, "this pipeline stage")
-        self.layers = torch.nn.ModuleList([
-            build_module(get_layer_spec(config, i), config=config, layer_number=i + 1, vp_stage=vp_stage,
-                         pg_collection=pg_collection)
-            for i in self.layer_range
-        ])
-        self.input_tensor = None
-
-    def set_input_tensor(self, input_tensor):
-        """The streams received from the previous pipeline stage (megatron's schedules call this)."""
-        self.input_tensor = input_tensor
+        layer_range = get_stage_layer_range(config, vp_stage)
+        check_shared_indexers(config, layer_range, "this pipeline stage")
+        spec = TransformerBlockSubmodules(layer_specs=[get_layer_spec(config, i) for i in layer_range],
+                                          layer_norm=None)
+        super().__init__(config, spec, post_layer_norm=False, pre_process=pre_process, post_process=post_process,
+                         pg_collection=pg_collection, vp_stage=vp_stage)
+        self.layer_range = layer_range
+        built = [layer.layer_number - 1 for layer in self.layers]
+        if built != list(layer_range):
+            raise ValueError(f"megatron's layer offset numbers this stage's layers {built}, the layout "
+                             f"{list(layer_range)}")
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Sharded keys name layers by their *global* index (``decoder.layers.{i}.``), so a checkpoint saved at one
-        PP/VPP layout loads at any other; the dict keys keep the local index (``load_state_dict`` needs them).
-        KDA and DSA layers hold different tensors, so there is no stacked layer axis."""
-        out = {}
-        for j, layer in enumerate(self.layers):
-            local, global_ = f"{prefix}layers.{j}.", f"{prefix}layers.{layer.layer_number - 1}."
-            layer_sd = layer.sharded_state_dict(local, sharded_offsets, metadata)
-            replace_prefix_for_sharding(layer_sd, local, global_)  # dict keys stay local, sharded keys global
-            out.update(layer_sd)
+        """megatron's ``TransformerBlock`` sharded state dict with non-homogeneous layers: sharded keys name layers
+        by their *global* index (``decoder.layers.{i}.``), so a checkpoint saved at one PP/VPP layout loads at any
+        other; the dict keys keep the local index (``load_state_dict`` needs them). KDA and DSA layers hold
+        different tensors, so there is no stacked layer axis."""
+        metadata = {**(metadata or {}), "non_homogeneous_layers": True}
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def forward(self, hidden_states: Optional[torch.Tensor], attention_mask=None, **kwargs) -> torch.Tensor:
+        """``hidden_states`` ``[s(/tp), b, n*h]`` (on a non-first pipeline stage the tensor given to
+        :meth:`set_input_tensor` is used) -> streams of the same shape. ``padding_mask`` ``[b, s(/tp)]`` bool
+        (True = padding) reaches the MoE routers; ``packed_seq_params`` the mixers. Other keyword arguments are
+        ``TransformerBlock.forward``'s."""
+        out = super().forward(hidden_states, attention_mask, **kwargs)
+        if len(self.layers) == 0 and self.pre_process:  # a stage without decoder layers ('E|tttt|L'): a new node
+            out = out.clone()
         return out
-
-    def _run(self, start: int, end: int, hidden_states, shared_topk, packed_seq_params, padding_mask=None):
-        """Layers ``start..end-1`` (local indices); returns (streams, top-k of the last full or shared DSA layer)."""
-        for layer in self.layers[start:end]:
-            hidden_states, topk = layer(hidden_states, packed_seq_params=packed_seq_params,
-                                        shared_topk_indices=shared_topk, padding_mask=padding_mask)
-            if topk is not None:
-                shared_topk = topk
-        return hidden_states, shared_topk
-
-    def _checkpointed(self, start: int, end: int, hidden_states, shared_topk, packed_seq_params, padding_mask=None):
-        def run(h, t):
-            return self._run(start, end, h, t, packed_seq_params, padding_mask)
-
-        return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations, hidden_states, shared_topk)
-
-    def forward(self, hidden_states: Optional[torch.Tensor], packed_seq_params=None,
-                padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``hidden_states`` ``[s(/tp), b, n*h]`` (None on a non-first pipeline stage: the tensor given to
-        :meth:`set_input_tensor`) -> streams of the same shape. ``padding_mask`` ``[b, s(/tp)]`` bool (True =
-        padding) reaches the MoE routers."""
-        if hidden_states is None:
-            hidden_states = self.input_tensor
-        n = len(self.layers)
-        if n == 0:  # a stage without decoder layers (a layout such as 'E|tttt|L'): pass the streams on
-            return hidden_states.clone()
-        cfg = self.config
-        full = cfg.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
-        shared = None
-        if full and cfg.recompute_method == "uniform":
-            i = 0
-            while i < n:
-                j = min(n, i + cfg.recompute_num_layers)
-                hidden_states, shared = self._checkpointed(i, j, hidden_states, shared, packed_seq_params,
-                                                           padding_mask)
-                i = j
-            return hidden_states
-        for i in range(n):
-            if full and cfg.recompute_method == "block" and i < cfg.recompute_num_layers:
-                hidden_states, shared = self._checkpointed(i, i + 1, hidden_states, shared, packed_seq_params,
-                                                           padding_mask)
-            else:
-                hidden_states, shared = self._run(i, i + 1, hidden_states, shared, packed_seq_params, padding_mask)
-        return hidden_states
 
 
 class Glm5Model(LanguageModule):
@@ -179,7 +143,8 @@ class Glm5Model(LanguageModule):
             from megatron_glm5.models.vision import Glm5VisionModel
 
             self.vision_model = Glm5VisionModel(config)
-        self.decoder = Glm5Decoder(config, vp_stage=vp_stage, pg_collection=self.pg_collection)
+        self.decoder = Glm5Decoder(config, vp_stage=vp_stage, pg_collection=self.pg_collection,
+                                   pre_process=pre_process, post_process=post_process)
         if post_process:
             self.final_layernorm = RMSNorm(config, config.hidden_size, config.layernorm_epsilon)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
