@@ -53,6 +53,10 @@ BASE = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size
     (["--mock-data", "--lr-warmup-iters", "2"], "--lr-warmup-iters"),  # not below the 2 decay iterations
     (["--mock-data", "--no-such-flag"], "--no-such-flag"),
     (["--mock-data", "--pretrained-checkpoint", "/nonexistent"], "--pretrained-checkpoint"),
+    (["--mock-data", "--cuda-graph-impl", "local"], "--cuda-graph-impl"),  # features the layers do not carry
+    (["--mock-data", "--enable-cuda-graph"], "--cuda-graph-impl"),
+    (["--mock-data", "--fine-grained-activation-offloading"], "--fine-grained-activation-offloading"),
+    (["--mock-data", "--distribute-saved-activations"], "--distribute-saved-activations"),
 ])
 def test_bad_combination_is_one_line_and_exit_2(capsys, extra, flag):
     from megatron_glm5.training.arguments import parse_args

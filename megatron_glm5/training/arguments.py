@@ -618,6 +618,25 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     _require(not (args.pipeline_model_parallel_layout and (args.decoder_first_pipeline_num_layers is not None
                                                            or args.decoder_last_pipeline_num_layers is not None)),
              "--pipeline-model-parallel-layout", "give either a layout or --decoder-first/last-pipeline-num-layers")
+    check_unsupported_features(args)
+
+
+def check_unsupported_features(args: argparse.Namespace) -> None:
+    """Megatron-LM features this model's layers do not carry (docs/design.md, the decoder section): refused in one
+    line rather than ignored."""
+    graphs = getattr(args, "cuda_graph_impl", "none")
+    if getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False):
+        graphs = "local" if args.enable_cuda_graph else "transformer_engine"
+    _require(graphs in (None, "none"), "--cuda-graph-impl",
+             f"{graphs}: megatron-core's layer CUDA graphs do not capture this model's layers (they read the packed "
+             "row's document boundaries on the host); its MoE layers are graphed by --moe-cuda-graph (on by default "
+             "on CUDA)")
+    _require(not getattr(args, "fine_grained_activation_offloading", False), "--fine-grained-activation-offloading",
+             "not supported by this model's layers (megatron-core's offloading hooks live in TransformerLayer's own "
+             "forward, which this model's layer replaces)")
+    _require(not getattr(args, "distribute_saved_activations", False), "--distribute-saved-activations",
+             "not supported by this model's decoder (megatron-core also refuses it with --sequence-parallel, "
+             "which the MoE layers need under tensor parallelism)")
 
 
 # config fields that a message may name, and the flags that set them
