@@ -1,7 +1,7 @@
 """The installed megatron-core release and the version guard of every change this project makes to it.
 
 Each change to megatron-core / ``megatron.training`` is installed by an entry point (the training entry, the tools,
-the tests' session start) and only for the releases it is written for: :func:`version_in` decides, and
+``tests/conftest.py``) and only for the releases it is written for: :func:`version_in` decides, and
 :func:`require_version` refuses an other release with one line (:class:`UnsupportedMegatronCore`, naming the
 installed and the supported releases) where the change cannot be left out; :func:`skip_notice` says in one line on
 stderr that a change which can be left out (megatron-core's own code then runs) was not installed.

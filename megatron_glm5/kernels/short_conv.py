@@ -21,9 +21,8 @@ Backward: one program walks ``ROWS`` rows of ``BC`` channels in order, loading e
 (the next row's loads in flight while it computes) and carrying the last three rows of ``x`` and ``g`` in
 registers -- the tile form of the backward, which reloads ``W^2`` shifted tiles, needs 255 registers a thread and
 spills on sm_90 (2.5x slower than FLA's kernel for that reason).
-Up to :data:`MAX_TAPS` taps. This replaces FLA's ``causal_conv1d`` on the ``'fla_fused'`` KDA path, whose backward
-kernel took ~585 us per call on an ``[8192, 8192]`` bf16 input on an H200 (~0.9 TB/s) and runs the forward again
-first.
+Up to :data:`MAX_TAPS` taps. This replaces FLA's ``causal_conv1d`` on the ``'fla_fused'`` KDA path, whose backward kernel
+runs the forward again first (both timed by ``scripts/bench_kda.py --conv-only``; docs/performance.md).
 """
 
 from __future__ import annotations

@@ -624,17 +624,17 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
 def check_unsupported_features(args: argparse.Namespace) -> None:
     """Megatron-LM features this model's layers do not carry (docs/design.md, the decoder section): refused in one
     line rather than ignored."""
-    graphs = getattr(args, "cuda_graph_impl", "none")
-    if getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False):
+    graphs = args.cuda_graph_impl  # and Megatron-LM's deprecated spellings of it
+    if args.enable_cuda_graph or args.external_cuda_graph:
         graphs = "local" if args.enable_cuda_graph else "transformer_engine"
     _require(graphs in (None, "none"), "--cuda-graph-impl",
              f"{graphs}: megatron-core's layer CUDA graphs do not capture this model's layers (they read the packed "
              "row's document boundaries on the host); its MoE layers are graphed by --moe-cuda-graph (on by default "
              "on CUDA)")
-    _require(not getattr(args, "fine_grained_activation_offloading", False), "--fine-grained-activation-offloading",
+    _require(not args.fine_grained_activation_offloading, "--fine-grained-activation-offloading",
              "not supported by this model's layers (megatron-core's offloading hooks live in TransformerLayer's own "
              "forward, which this model's layer replaces)")
-    _require(not getattr(args, "distribute_saved_activations", False), "--distribute-saved-activations",
+    _require(not args.distribute_saved_activations, "--distribute-saved-activations",
              "not supported by this model's decoder (megatron-core also refuses it with --sequence-parallel, "
              "which the MoE layers need under tensor parallelism)")
 

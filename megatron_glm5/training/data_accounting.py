@@ -16,6 +16,7 @@ from megatron.training.global_vars import get_tensorboard_writer
 from megatron_glm5.data import DataError
 from megatron_glm5.data.vqa import placeholder_ids
 from megatron_glm5.errors import one_line
+from megatron_glm5.training.arguments import PROG
 from megatron_glm5.training.moe_load_logging import PACKING_EFFICIENCY
 
 
@@ -23,7 +24,7 @@ def data_error_exit(e: Exception):
     """A bad data input (:class:`megatron_glm5.data.DataError`): one line on stderr (from rank 0 for what every rank
     finds, from the rank that read it otherwise), exit status 1."""
     if getattr(e, "rank_local", False) or int(os.environ.get("RANK", "0")) == 0:
-        print(f"pretrain_glm5_vlm.py: error: {one_line(e)}", file=sys.stderr, flush=True)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr, flush=True)
     raise SystemExit(1)
 
 

@@ -41,9 +41,8 @@ def _after_ctrl_c(exc_type: type) -> bool:
     """Whether ``exc_type`` is a helper's broken connection caused by Ctrl-C. The thread that reports it may run
     before this process's main thread has run its SIGINT handler (a peer that died of the same signal reset the
     connection first), so a broken connection waits up to ``_CTRL_C_GRACE_S`` for the SIGINT to be seen."""
-    import time
-
     import threading
+    import time
 
     if not issubclass(exc_type, _HELPER_CONNECTION_ERRORS):
         return False
