@@ -544,6 +544,7 @@ def test_indexer_loss_per_step_equals_one_rank(parallel_workdir, parallel_data, 
 
 
 # ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernel_lse_matches_reference_and_feeds_the_sparse_loss_gpu(dtype):
@@ -578,3 +579,35 @@ def test_fused_kernel_lse_matches_reference_and_feeds_the_sparse_loss_gpu(dtype)
                                             True, lse=lse)
     assert int(rows) == int(rows_lse) > 0
     assert abs(kl_lse - kl) <= (1e-5 if dtype == torch.float32 else 2e-2) * abs(kl), (kl_lse.item(), kl.item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warmup_dense_attention_runs_a_fused_kernel_gpu():
+    """The warm-up's dense attention at the released head widths (64 heads, qk / v 256, bf16) with a packed row's
+    document-causal mask runs in one of torch's fused SDPA kernels (no fallback), forward and backward, and equals
+    the unfused math path (bf16 rounding: 2e-2 of max |out|, gradients 3e-2 of max |grad|)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_glm5.models import kpool_dsa
+    from megatron_glm5.models.packing import document_ids
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lens = [700, 1300, 37, 2058]
+    s = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    doc = document_ids(cu, s)
+    pos = torch.arange(s, device="cuda")
+    mask = (doc[None, :] == doc[:, None]) & (pos[None, :] <= pos[:, None])
+    q, k, v = (torch.randn(1, 64, s, 256, device="cuda", generator=gen, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = kpool_dsa.fused_masked_attention(q, k, v, mask, 256 ** -0.5)
+    assert kpool_dsa.dense_attention_fallback() is None
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                               scale=256 ** -0.5)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert (out.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    for g, r in zip(grads, ref_grads):
+        assert (g.float() - r).abs().max() <= 3e-2 * r.abs().max()

@@ -49,6 +49,7 @@ gathered latents.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -78,10 +79,45 @@ __all__ = [
     "Glm5DSAttentionSubmodules",
     "Glm5DSAttention",
     "get_dsa_module_spec",
+    "fused_masked_attention",
     "topk_indices_to_mask",
     "dense_topk_attention",
     "sparse_topk_attention",
 ]
+
+
+_FUSED_MASKED_BACKENDS = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+"""torch SDPA backends that take a boolean mask and never build the ``[b, H, s, t]`` score tensor."""
+_dense_fallback_reason: Optional[str] = None
+
+
+def fused_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Masked softmax attention ``[b, H, s, dq] x [b, H, t, dq] x [b, H, t, dv]`` with a boolean ``mask [s, t]``
+    (True = attend) -> ``[b, H, s, dv]``. On CUDA it runs one of torch's fused SDPA kernels
+    (:data:`_FUSED_MASKED_BACKENDS`: memory-efficient attention, cuDNN) and never the unfused math path, whose
+    ``[b, H, s, t]`` scores do not fit at long contexts; where neither kernel takes the inputs it says why once
+    (``dense_attention_fallback()``) and runs torch's default choice. CPU: torch's default."""
+    global _dense_fallback_reason
+    if q.is_cuda and _dense_fallback_reason is None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            with sdpa_kernel([getattr(SDPBackend, name) for name in _FUSED_MASKED_BACKENDS]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:  # no fused kernel takes these inputs (head widths, dtype, device)
+            _dense_fallback_reason = " ".join(str(e).split())[:300]
+            logging.getLogger(__name__).warning(
+                "dense DSA attention (indexer warm-up): no fused SDPA kernel takes these inputs, torch's default "
+                "path runs instead: %s", _dense_fallback_reason)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def dense_attention_fallback() -> Optional[str]:
+    """Why :func:`fused_masked_attention` fell back on CUDA in this process (None: it has not)."""
+    return _dense_fallback_reason
 
 
 @dataclass
@@ -416,8 +452,8 @@ class Glm5DSAttention(MegatronModule):
         mask = (doc[None, :] == doc[qpos][:, None]) & (kpos[None, :] <= qpos[:, None])     # [s, t]
         kv = linear_output(self.kv_b_proj(kv_lat)).view(t, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
         k, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
-        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                             attn_mask=mask, scale=self.softmax_scale)     # [b, Hl, s, dv]
+        out = fused_masked_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), mask,
+                                     self.softmax_scale)                                    # [b, Hl, s, dv]
         return out.permute(2, 0, 1, 3)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):
