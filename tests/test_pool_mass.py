@@ -122,7 +122,7 @@ def _interpreter_checks() -> dict:
             for t in vars(leaf).values():
                 t.grad = None
             kl, rows = il.kpool_indexer_kl(feats, q_lat, c, scale, 0.25, idx, kpool, index_topk, sparse,
-                                           chunk_elements=1000, lse=lse if sparse else None, fused=fused)
+                                           chunk_elements=200, lse=lse if sparse else None, fused=fused)
             kl.backward()
             grads[name] = (kl.detach(), int(rows), {n: t.grad.clone() for n, t in vars(leaf).items()})
         sel = dict(topk_indices=idx, selected_pools=feats.selected_pools) if sparse else {}

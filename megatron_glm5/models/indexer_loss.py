@@ -100,7 +100,8 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         kpool, index_topk: the indexer's pool size and token budget.
         sparse: target over the selection (else dense causal, see the module docstring).
         tp_group: the attention's TP group (the head sum is all-reduced over it).
-        chunk_elements: bound on the elements of a chunk's per-head score tensor.
+        chunk_elements: bound on the elements of a chunk's per-head score tensors (or, with the kernels, of their
+            per-pool mass).
         row_length: queries at row positions from it on (a context-parallel split's padding) have no term.
         lse: ``[b, s, Hl]`` the sparse attention's log-sum-exp over the selection (``sparse_mla(...,
             return_lse=True)``, ``sparse`` only): the probabilities are ``exp(score - lse)`` instead of a softmax
@@ -118,43 +119,56 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
     kl_total = torch.zeros((), dtype=torch.float32, device=device)
     rows_total = torch.zeros((), dtype=torch.long, device=device)
     fused = _use_kernels(fused, q_lat, kpool)
-    # per query, the indexer side holds [n, D] gathered pool keys and [Hi, n] per-head scores (n candidate pools)
-    index_elements = max(feats.pool_keys.shape[-1], feats.q.shape[2])
+    # Two levels of chunks: the target's mass over blocks of queries (the PyTorch code holds per-head [Hl, width] /
+    # [Hl, S] scores per query, the kernels only their [n] output), and the KL over sub-chunks of those, bounded by
+    # the indexer side's per-query [n, D] gathered pool keys and [Hi, n] per-head scores (n candidate pools).
+    Hi, D = feats.q.shape[2], feats.pool_keys.shape[-1]
     if sparse:
         n_sel = index_topk // kpool
         width = topk_indices.shape[-1]
         fused = fused and lse is not None
-        chunk = max(1, chunk_elements // max(1, b * (n_sel * index_elements if fused else Hl * width)))
-        for a in range(0, s, chunk):
-            e = min(s, a + chunk)
+        outer = max(1, chunk_elements // max(1, b * (n_sel if fused else Hl * width)))
+        inner = max(1, chunk_elements // max(1, b * n_sel * max(D, Hi))) if fused else outer
+        for A in range(0, s, outer):
+            E = min(s, A + outer)
             if fused:
-                mass = pool_mass.sparse_pool_mass(q_lat[:, a:e], kv_lat, topk_indices[:, a:e], lse[:, a:e],
-                                                  attn_scale, kpool, n_sel * kpool)
-                mass = _tp_sum(mass, tp_group)                                      # [b, c, n_sel]
+                block = pool_mass.sparse_pool_mass(q_lat[:, A:E], kv_lat, topk_indices[:, A:E], lse[:, A:E],
+                                                   attn_scale, kpool, n_sel * kpool)
+                block = _tp_sum(block, tp_group)                                    # [b, C, n_sel]
             else:
-                mass = _sparse_pool_mass(q_lat[:, a:e], kv_lat, topk_indices[:, a:e], attn_scale, kpool, n_sel,
-                                         None if lse is None else lse[:, a:e], tp_group)
-            sel = feats.selected_pools[:, a:e]
-            valid = (sel >= 0) & _real_rows(feats, a, e, row_length)[None, :, None]
-            logits = _pool_scores_of(feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e], sel.clamp(min=0),
-                                     index_scale)
-            kl, rows = _kl_rows(mass, logits, valid)
-            kl_total, rows_total = kl_total + kl, rows_total + rows
+                block = _sparse_pool_mass(q_lat[:, A:E], kv_lat, topk_indices[:, A:E], attn_scale, kpool, n_sel,
+                                          None if lse is None else lse[:, A:E], tp_group)
+            for a in range(A, E, inner):
+                e = min(E, a + inner)
+                sel = feats.selected_pools[:, a:e]
+                valid = (sel >= 0) & _real_rows(feats, a, e, row_length)[None, :, None]
+                logits = _pool_scores_of(feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e],
+                                         sel.clamp(min=0), index_scale)
+                kl, rows = _kl_rows(block[:, a - A:e - A], logits, valid)
+                kl_total, rows_total = kl_total + kl, rows_total + rows
         return kl_total, rows_total
 
     n_pools = max(1, feats.pool_doc.numel())
-    chunk = max(1, chunk_elements // max(1, b * max(0 if fused else Hl * S, n_pools * feats.q.shape[2])))
-    for a in range(0, s, chunk):
-        e = min(s, a + chunk)
-        lo, hi = feats.candidate_range(a, e)
-        if hi <= lo:
+    outer = max(1, chunk_elements // max(1, b * (n_pools if fused else max(Hl * S, n_pools * Hi))))
+    inner = max(1, chunk_elements // max(1, b * n_pools * Hi)) if fused else outer
+    for A in range(0, s, outer):
+        E = min(s, A + outer)
+        LO, HI = feats.candidate_range(A, E)
+        if HI <= LO:
             continue
-        mass, valid = dense_pool_mass(feats, q_lat, kv_lat, attn_scale, a, e, lo, hi, tp_group, fused=fused)
-        logits = indexer_scores_reference(feats.q[:, a:e], feats.pool_keys[:, lo:hi], feats.weights[:, a:e],
-                                          index_scale)
-        valid = valid & _real_rows(feats, a, e, row_length)[:, None]
-        kl, rows = _kl_rows(mass, logits, valid[None].expand_as(logits))
-        kl_total, rows_total = kl_total + kl, rows_total + rows
+        block, block_visible = dense_pool_mass(feats, q_lat, kv_lat, attn_scale, A, E, LO, HI, tp_group,
+                                               fused=fused)                           # [b, C, HI - LO]
+        for a in range(A, E, inner):
+            e = min(E, a + inner)
+            lo, hi = feats.candidate_range(a, e)                                       # within [LO, HI)
+            if hi <= lo:
+                continue
+            mass = block[:, a - A:e - A, lo - LO:hi - LO]
+            logits = indexer_scores_reference(feats.q[:, a:e], feats.pool_keys[:, lo:hi], feats.weights[:, a:e],
+                                              index_scale)
+            valid = block_visible[a - A:e - A, lo - LO:hi - LO] & _real_rows(feats, a, e, row_length)[:, None]
+            kl, rows = _kl_rows(mass, logits, valid[None].expand_as(logits))
+            kl_total, rows_total = kl_total + kl, rows_total + rows
     return kl_total, rows_total
 
 
