@@ -189,7 +189,8 @@ def test_16bit_inputs_on_the_interpreter(interpreted):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_at_released_widths_gpu(dtype):
     """64 heads, latent 512, kpool 4, index_topk 2048 (W = 2051), 4096 queries in documents of 3000 and 1096:
-    the sparse mass with the fused attention's lse, the dense mass and both losses equal the PyTorch path's."""
+    the sparse mass with the fused attention's lse, the dense mass and both losses equal the PyTorch path's (fp32
+    1e-6 relative; bf16 1e-5: the same 16-bit values multiplied exactly, accumulated in fp32 in another order)."""
     from megatron_glm5.kernels import pool_mass
     from megatron_glm5.kernels.sparse_mla import HAVE_TRITON, sparse_mla
     from megatron_glm5.models import indexer_loss as il
@@ -209,9 +210,11 @@ def test_kernels_at_released_widths_gpu(dtype):
     c = torch.randn(1, s, R, device=dev, generator=gen).to(dtype)
     scale = 192 ** -0.5
     _, lse = sparse_mla(q_lat, c, idx, scale, return_lse=True)
-    tol = 1e-5 if dtype == torch.float32 else 1e-4
+    tol = 1e-6 if dtype == torch.float32 else 1e-5
     got = pool_mass.sparse_pool_mass(q_lat, c, idx, lse, scale, kpool, index_topk)
-    ref = il._sparse_pool_mass(q_lat, c, idx, scale, kpool, index_topk // kpool, lse, None)
+    ref = torch.cat([il._sparse_pool_mass(q_lat[:, a:a + 256], c, idx[:, a:a + 256], scale, kpool,
+                                          index_topk // kpool, lse[:, a:a + 256], None) for a in range(0, s, 256)], 1)
+    assert (ref > 0).sum() > s * 100                            # most of the 512 pool slots are in use
     assert _rel(got, ref) <= tol, _rel(got, ref)
     a, e = 2900, 3300                                          # across the document boundary
     lo, hi = feats.candidate_range(a, e)
