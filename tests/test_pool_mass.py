@@ -4,8 +4,9 @@ megatron_glm5/models/indexer_loss.py, which is their reference.
 CPU (CI): the kernels run on Triton's interpreter (``TRITON_INTERPRET=1`` is read when the kernels are decorated,
 so :func:`_interpreter_checks` runs in a fresh process) on tiny packed rows with document boundaries, documents
 shorter than a pool (queries with no candidate), pool tails, unused (-1) slots and empty rows, two head blocks (the
-second partly padded), several steps per row, chunks of queries; fp32 and fp16 to 1e-6 relative, the loss (values and the
-indexer's gradients) against ``kpool_indexer_kl_reference`` too.
+second partly padded), several steps per row, chunks of queries, two batch rows; fp32 and fp16 to 1e-6 relative,
+the loss (values and the indexer's gradients) against ``kpool_indexer_kl_reference`` too. (bf16 is left to the GPU:
+the interpreter of Triton 3.7.1 multiplies bf16 matrix operands as their uint16 bit patterns.)
 
 GPU: the same comparisons at the released widths (64 heads, latent 512, kpool 4, index_topk 2048, 4096 queries),
 fp32 and bf16, and the loss from the kernels against the loss from the PyTorch path.
@@ -115,6 +116,17 @@ def _interpreter_checks() -> dict:
         out[f"dense_visible_equal_{tag}"] = bool(torch.equal(vis, ref_vis))
         out[f"dense_rows_without_candidate_{tag}"] = int((~vis.any(-1)).sum())
 
+    # two batch rows (the same document layout in each; the rows' latents differ)
+    q2, c2 = torch.cat([q_lat, q_lat.flip(1)]), torch.cat([c, c.roll(7, 1)])
+    pools_reversed = idx[..., :index_topk].view(1, s, n_sel, kpool).flip(2).flatten(2)
+    idx2 = torch.cat([idx, torch.cat([pools_reversed, idx[..., index_topk:]], -1)])   # row 2: pools in another order
+    _, lse2 = sparse_mla_reference(q2, c2, idx2, scale, return_lse=True)
+    out["batch2_sparse_mass"] = _rel(pool_mass.sparse_pool_mass(q2, c2, idx2, lse2, scale, kpool, index_topk),
+                                     il._sparse_pool_mass(q2, c2, idx2, scale, kpool, n_sel, lse2, None))
+    lo, hi = feats.candidate_range(9, 41)
+    out["batch2_dense_mass"] = _rel(il.dense_pool_mass(feats, q2, c2, scale, 9, 41, lo, hi, fused=True)[0],
+                                    il.dense_pool_mass(feats, q2, c2, scale, 9, 41, lo, hi, fused=False)[0])
+
     # the loss, values and the indexer's gradients: kernels vs the PyTorch path vs the whole-matrix reference
     for sparse in (False, True):
         grads = {}
@@ -167,7 +179,7 @@ def test_kernels_equal_the_pytorch_target_on_the_interpreter(interpreted):
     assert r["empty_rows"] >= 1 and r["sparse_mass_nonzero"] > 0
     assert r["dense_rows_without_candidate_row"] == 14 and r["dense_visible_equal_row"]
     assert r["dense_visible_equal_chunk"]
-    for key in ("sparse_mass", "dense_mass_row", "dense_mass_chunk"):
+    for key in ("sparse_mass", "dense_mass_row", "dense_mass_chunk", "batch2_sparse_mass", "batch2_dense_mass"):
         assert r[key] <= 1e-6, (key, r[key])
     for tag in ("dense", "sparse"):
         rows = r[f"{tag}_rows"]
