@@ -56,12 +56,13 @@ if HAVE_TRITON:
     from megatron_glm5.kernels.sparse_mla import _gather_selected, _program_query
 
     @triton.jit
-    def _pool_sum_store(OUT, t, n_out, p, col0, col_ok_n, BLOCK_N: tl.constexpr, KPOOL: tl.constexpr):
-        """``OUT[t, col0 + j] = sum_h sum_k p[h, j * KPOOL + k]`` for the ``BLOCK_N // KPOOL`` pools ``j`` of a
-        step (``p [BLOCK_H, BLOCK_N]`` fp32); ``col_ok_n [BLOCK_N // KPOOL]`` masks the pools to write."""
+    def _pool_sum_store(OUT, t, n_out, p, col0, n_pools, BLOCK_N: tl.constexpr, KPOOL: tl.constexpr):
+        """``OUT[t, col0 + j] = sum_h sum_k p[h, j * KPOOL + k]`` for the first ``n_pools`` of the
+        ``BLOCK_N // KPOOL`` pools ``j`` of a step (``p [BLOCK_H, BLOCK_N]`` fp32), columns in ``[0, n_out)``."""
         mass = tl.sum(tl.reshape(tl.sum(p, 0), [BLOCK_N // KPOOL, KPOOL]), 1)              # [BLOCK_N // KPOOL]
-        cols = col0 + tl.arange(0, BLOCK_N // KPOOL)
-        tl.store(OUT + t * n_out + cols, mass, mask=col_ok_n & (cols >= 0) & (cols < n_out))
+        j = tl.arange(0, BLOCK_N // KPOOL)
+        cols = col0 + j
+        tl.store(OUT + t * n_out + cols, mass, mask=(j < n_pools) & (cols >= 0) & (cols < n_out))
 
     @triton.jit
     def _sparse_pool_mass_kernel(Q, KV, IDX, NEND, LSE, OUT, qk_scale, T, n_out,
@@ -77,7 +78,7 @@ if HAVE_TRITON:
             rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
             s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
             p = tl.where(ok[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
-            _pool_sum_store(out, t, n_out, p, n0 // KPOOL, tl.full([BLOCK_N // KPOOL], 1, tl.int1), BLOCK_N, KPOOL)
+            _pool_sum_store(out, t, n_out, p, n0 // KPOOL, BLOCK_N // KPOOL, BLOCK_N, KPOOL)
 
     @triton.jit
     def _dense_rows(KV, row0, n0, k_end, offs_nb, offs_r, stride_kvt):
@@ -119,8 +120,7 @@ if HAVE_TRITON:
             s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
             p = tl.where(ok[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
             first = (n0 - k_start) // KPOOL                       # document-local pool of the step's first row
-            pool_ok = first + tl.arange(0, BLOCK_N // KPOOL) < n_pools
-            _pool_sum_store(out, t, n_out, p, col_doc + first, pool_ok, BLOCK_N, KPOOL)
+            _pool_sum_store(out, t, n_out, p, col_doc + first, n_pools - first, BLOCK_N, KPOOL)
 
 
 def _tiling(q: torch.Tensor, kpool: int) -> dict:
