@@ -26,8 +26,8 @@ CUDA and keeps its PyTorch code (the reference) elsewhere. Tiling: :data:`POOL_M
 shared memory like the sparse attention's forward.
 
 Tuning left open: the dense kernel reads every key once per query (a block of queries per program would share the
-key tiles, as flash attention does) and twice (lse, then mass); the sparse one could read the sparse attention's
-gathered rows in the same pass as its forward.
+key tiles, as flash attention does) and twice (lse, then mass); the tiling is the sparse attention forward's, not
+tuned for a kernel without the ``P V`` product.
 """
 
 from __future__ import annotations
