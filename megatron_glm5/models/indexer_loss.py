@@ -23,6 +23,10 @@ Gradients: only the indexer's tensors (``KPoolFeatures.q / pool_keys / weights``
 from detached attention tensors and the indexer's inputs are detached by the caller, so the LM loss never reaches
 the indexer and the indexer loss never reaches the model.
 
+Kernels: on CUDA with Triton the target's per-pool mass (sparse with the attention's ``lse``, and dense) comes from
+:mod:`megatron_glm5.kernels.pool_mass` (no ``[c, H, width]`` / ``[c, H, S]`` probabilities); elsewhere, and for
+shapes the kernels do not take, from the PyTorch code here, which is their reference.
+
 Parallelism: the main attention's heads are split over TP (the head sum is all-reduced over TP; the indexer is
 replicated and sees the whole sequence). Under CP the queries are this rank's, the keys / latents / pools the whole
 row's; :func:`indexer_loss_value` divides by the row's count of queries with a loss term (summed over CP), so the
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss, dsa_masking
 
+from megatron_glm5.kernels import pool_mass
 from megatron_glm5.kernels.indexer_scores import indexer_scores_reference
 from megatron_glm5.models.packing import document_ids
 
@@ -81,7 +86,8 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
                      topk_indices: Optional[torch.Tensor], kpool: int, index_topk: int, sparse: bool,
                      tp_group=None, chunk_elements: int = 1 << 24,
                      row_length: Optional[int] = None,
-                     lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                     lse: Optional[torch.Tensor] = None,
+                     fused: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The indexer KL of this rank's queries, chunked over queries.
 
     Args:
@@ -94,11 +100,15 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         kpool, index_topk: the indexer's pool size and token budget.
         sparse: target over the selection (else dense causal, see the module docstring).
         tp_group: the attention's TP group (the head sum is all-reduced over it).
-        chunk_elements: bound on the elements of a chunk's per-head score tensor.
+        chunk_elements: bound on the elements of a chunk's per-head score tensors (or, with the kernels, of their
+            per-pool mass).
         row_length: queries at row positions from it on (a context-parallel split's padding) have no term.
         lse: ``[b, s, Hl]`` the sparse attention's log-sum-exp over the selection (``sparse_mla(...,
             return_lse=True)``, ``sparse`` only): the probabilities are ``exp(score - lse)`` instead of a softmax
             over the recomputed scores.
+        fused: take the per-pool mass from :mod:`megatron_glm5.kernels.pool_mass` (sparse: only with ``lse``);
+            ``None``: on CUDA tensors when the kernels take the shape (:func:`~megatron_glm5.kernels.pool_mass.
+            supported`).
 
     Returns:
         ``(kl_sum, rows)``: the summed KL (fp32 scalar, differentiable) and the number of queries with a term.
@@ -108,68 +118,114 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
     device = q_lat.device
     kl_total = torch.zeros((), dtype=torch.float32, device=device)
     rows_total = torch.zeros((), dtype=torch.long, device=device)
+    fused = _use_kernels(fused, q_lat, kpool)
+    # Two levels of chunks: the target's mass over blocks of queries (the PyTorch code holds per-head [Hl, width] /
+    # [Hl, S] scores per query, the kernels only their [n] output), and the KL over sub-chunks of those, bounded by
+    # the indexer side's per-query [n, D] gathered pool keys and [Hi, n] per-head scores (n candidate pools).
+    Hi, D = feats.q.shape[2], feats.pool_keys.shape[-1]
     if sparse:
         n_sel = index_topk // kpool
         width = topk_indices.shape[-1]
-        chunk = max(1, chunk_elements // max(1, b * Hl * width))
-        for a in range(0, s, chunk):
-            e = min(s, a + chunk)
-            idx = topk_indices[:, a:e].long()                                       # [b, c, w]
-            tok_valid = idx >= 0
-            c = e - a
-            kv_sel = torch.gather(kv_lat, 1, idx.clamp(min=0).reshape(b, c * width, 1)
-                                  .expand(-1, -1, kv_lat.shape[-1])).view(b, c, width, -1)
-            scores = torch.einsum("bchr,bcwr->bchw", q_lat[:, a:e].float(), kv_sel.float()) * attn_scale
-            if lse is None:
-                probs = dsa_masking.masked_softmax(scores, tok_valid[:, :, None].expand_as(scores))
+        fused = fused and lse is not None
+        outer = max(1, chunk_elements // max(1, b * (n_sel if fused else Hl * width)))
+        inner = max(1, chunk_elements // max(1, b * n_sel * max(D, Hi))) if fused else outer
+        for A in range(0, s, outer):
+            E = min(s, A + outer)
+            if fused:
+                block = pool_mass.sparse_pool_mass(q_lat[:, A:E], kv_lat, topk_indices[:, A:E], lse[:, A:E],
+                                                   attn_scale, kpool, n_sel * kpool)
+                block = _tp_sum(block, tp_group)                                    # [b, C, n_sel]
             else:
-                probs = torch.exp(scores - lse[:, a:e, :, None].float()).masked_fill(~tok_valid[:, :, None], 0.0)
-            mass = _tp_sum(probs.sum(2), tp_group)                                  # [b, c, w]
-            mass = mass[..., : n_sel * kpool].reshape(b, c, n_sel, kpool).sum(-1)  # [b, c, n_sel]
-            sel = feats.selected_pools[:, a:e]
-            valid = (sel >= 0) & _real_rows(feats, a, e, row_length)[None, :, None]
-            logits = _pool_scores_of(feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e], sel.clamp(min=0),
-                                     index_scale)
-            kl, rows = _kl_rows(mass, logits, valid)
-            kl_total, rows_total = kl_total + kl, rows_total + rows
+                block = _sparse_pool_mass(q_lat[:, A:E], kv_lat, topk_indices[:, A:E], attn_scale, kpool, n_sel,
+                                          None if lse is None else lse[:, A:E], tp_group)
+            for a in range(A, E, inner):
+                e = min(E, a + inner)
+                sel = feats.selected_pools[:, a:e]
+                valid = (sel >= 0) & _real_rows(feats, a, e, row_length)[None, :, None]
+                logits = _pool_scores_of(feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e],
+                                         sel.clamp(min=0), index_scale)
+                kl, rows = _kl_rows(block[:, a - A:e - A], logits, valid)
+                kl_total, rows_total = kl_total + kl, rows_total + rows
         return kl_total, rows_total
 
     n_pools = max(1, feats.pool_doc.numel())
-    chunk = max(1, chunk_elements // max(1, b * max(Hl * S, n_pools * feats.q.shape[2])))
-    for a in range(0, s, chunk):
-        e = min(s, a + chunk)
-        lo, hi = feats.candidate_range(a, e)
-        if hi <= lo:
+    outer = max(1, chunk_elements // max(1, b * (n_pools if fused else max(Hl * S, n_pools * Hi))))
+    inner = max(1, chunk_elements // max(1, b * n_pools * Hi)) if fused else outer
+    for A in range(0, s, outer):
+        E = min(s, A + outer)
+        LO, HI = feats.candidate_range(A, E)
+        if HI <= LO:
             continue
-        mass, valid = dense_pool_mass(feats, q_lat, kv_lat, attn_scale, a, e, lo, hi, tp_group)
-        logits = indexer_scores_reference(feats.q[:, a:e], feats.pool_keys[:, lo:hi], feats.weights[:, a:e],
-                                          index_scale)
-        valid = valid & _real_rows(feats, a, e, row_length)[:, None]
-        kl, rows = _kl_rows(mass, logits, valid[None].expand_as(logits))
-        kl_total, rows_total = kl_total + kl, rows_total + rows
+        block, block_visible = dense_pool_mass(feats, q_lat, kv_lat, attn_scale, A, E, LO, HI, tp_group,
+                                               fused=fused)                           # [b, C, HI - LO]
+        for a in range(A, E, inner):
+            e = min(E, a + inner)
+            lo, hi = feats.candidate_range(a, e)                                       # within [LO, HI)
+            if hi <= lo:
+                continue
+            mass = block[:, a - A:e - A, lo - LO:hi - LO]
+            logits = indexer_scores_reference(feats.q[:, a:e], feats.pool_keys[:, lo:hi], feats.weights[:, a:e],
+                                              index_scale)
+            valid = block_visible[a - A:e - A, lo - LO:hi - LO] & _real_rows(feats, a, e, row_length)[:, None]
+            kl, rows = _kl_rows(mass, logits, valid[None].expand_as(logits))
+            kl_total, rows_total = kl_total + kl, rows_total + rows
     return kl_total, rows_total
 
 
+def _use_kernels(fused: Optional[bool], q_lat: torch.Tensor, kpool: int) -> bool:
+    if fused is None:
+        return q_lat.is_cuda and pool_mass.supported(kpool, q_lat.shape[-1])
+    return bool(fused)
+
+
+def _sparse_pool_mass(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor, attn_scale: float,
+                      kpool: int, n_sel: int, lse: Optional[torch.Tensor], tp_group) -> torch.Tensor:
+    """The sparse attention's probability per selected pool, summed over all heads (PyTorch; the reference of
+    :func:`~megatron_glm5.kernels.pool_mass.sparse_pool_mass`): ``q_lat [b, c, Hl, r]``, ``kv_lat [b, S, r]``,
+    ``topk_indices [b, c, w]`` (the indexer's order: pools first), ``lse [b, c, Hl]`` or ``None`` (a softmax over
+    the recomputed scores of the valid slots) -> ``[b, c, n_sel]`` fp32."""
+    b, c, width = topk_indices.shape
+    idx = topk_indices.long()                                                       # [b, c, w]
+    tok_valid = idx >= 0
+    kv_sel = torch.gather(kv_lat, 1, idx.clamp(min=0).reshape(b, c * width, 1)
+                          .expand(-1, -1, kv_lat.shape[-1])).view(b, c, width, -1)
+    scores = torch.einsum("bchr,bcwr->bchw", q_lat.float(), kv_sel.float()) * attn_scale
+    if lse is None:
+        probs = dsa_masking.masked_softmax(scores, tok_valid[:, :, None].expand_as(scores))
+    else:
+        probs = torch.exp(scores - lse[:, :, :, None].float()).masked_fill(~tok_valid[:, :, None], 0.0)
+    mass = _tp_sum(probs.sum(2), tp_group)                                          # [b, c, w]
+    return mass[..., : n_sel * kpool].reshape(b, c, n_sel, kpool).sum(-1)          # [b, c, n_sel]
+
+
 def dense_pool_mass(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scale: float, a: int, e: int, lo: int,
-                    hi: int, tp_group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    hi: int, tp_group=None, fused: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dense causal attention's probability per pool, summed over all heads: queries ``[a, e)`` (local) and pools
     ``[lo, hi)`` (``feats.candidate_range(a, e)``) -> ``(mass [b, c, hi - lo], visible [c, hi - lo])``.
-    Shapes of ``q_lat`` / ``kv_lat`` as in :func:`kpool_indexer_kl`; no gradient."""
+    Shapes of ``q_lat`` / ``kv_lat`` as in :func:`kpool_indexer_kl`; no gradient. ``fused`` as there: the kernel
+    :func:`~megatron_glm5.kernels.pool_mass.dense_pool_mass`, else the PyTorch code here (its reference)."""
     off, device = feats.offset, q_lat.device
+    qpos = torch.arange(off + a, off + e, device=device)
+    qdoc = feats.query_doc[a:e]
+    pools_visible = ((feats.pool_doc[lo:hi][None, :] == qdoc[:, None])
+                     & (feats.pool_end[lo:hi][None, :] <= qpos[:, None]))
+    kpool = feats.pool_tokens.shape[1]
+    if _use_kernels(fused, q_lat, kpool):
+        first = torch.searchsorted(feats.pool_doc, qdoc)                          # the document's first pool
+        count = torch.searchsorted(feats.pool_doc, qdoc, right=True) - first      # and its number of pools
+        mass = pool_mass.dense_pool_mass(q_lat[:, a:e].detach(), kv_lat.detach(), feats.cu_seqlens[qdoc], qpos + 1,
+                                         first - lo, count, hi - lo, attn_scale, kpool)
+        return _tp_sum(mass, tp_group), pools_visible
     key_doc = document_ids(feats.cu_seqlens, kv_lat.shape[1])
     k0 = int(feats.pool_tokens[lo, 0])            # first pool of the chunk's first document: its first token
     k1 = off + e
-    qpos = torch.arange(off + a, off + e, device=device)
     kpos = torch.arange(k0, k1, device=device)
-    qdoc = feats.query_doc[a:e]
     visible = (key_doc[k0:k1][None, :] == qdoc[:, None]) & (kpos[None, :] <= qpos[:, None])       # [c, K]
     with torch.no_grad():
         scores = torch.einsum("bchr,bkr->bchk", q_lat[:, a:e].float(), kv_lat[:, k0:k1].float()) * attn_scale
         probs = dsa_masking.masked_softmax(scores, visible[None, :, None].expand_as(scores))
         mass = _tp_sum(probs.sum(2), tp_group)                                       # [b, c, K]
         mass = mass[:, :, feats.pool_tokens[lo:hi] - k0].sum(-1)                      # [b, c, P']
-    pools_visible = ((feats.pool_doc[lo:hi][None, :] == qdoc[:, None])
-                     & (feats.pool_end[lo:hi][None, :] <= qpos[:, None]))
     return mass, pools_visible
 
 
