@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--indexer-loss", choices=("off", "sparse", "dense"), default="off",
                    help="train the indexer by its loss (--dsa-indexer-loss-coeff 1, sparse or dense target) and print "
                         "the loss's share of the layer's fwd+bwd time (the same layer timed with the loss off)")
+    p.add_argument("--profile", type=int, default=0, help="at this length also print the GPU kernel table and the "
+                   "host-bound gaps (by Python frame) of one fwd+bwd (with the indexer loss when it is on)")
     p.add_argument("--indexer-tiles", default="", help="also time the indexer's scores kernel at these tilings: "
                    "BMxBNxWARPS[b],... (b: bf16x3 products; e.g. 32x64x8,64x64x8b)")
     a = p.parse_args(argv)
@@ -111,6 +113,8 @@ def main(argv=None) -> int:
                     share = (min(times) - without) / min(times)
                     print(f"    indexer loss ({a.indexer_loss}) share of the layer's fwd+bwd: {100 * share:5.1f} % "
                           f"({min(times):.1f} ms with, {without:.1f} ms without; target <= 15 %)")
+                if dev == "cuda" and s == a.profile:
+                    _profile_layer(layer, x, psp)
                 if dev == "cuda" and getattr(layer, "indexer", None) is not None:
                     _time_indexer(layer.indexer, x, psp, cfg, s, a.iters, a.indexer_tiles)
             except torch.OutOfMemoryError:
@@ -120,6 +124,20 @@ def main(argv=None) -> int:
             if dev == "cuda":
                 torch.cuda.empty_cache()
     return 0
+
+
+def _profile_layer(layer, x, psp) -> None:
+    """Print the kernel table and the GPU's host-bound gaps (``bench_train_step.kernel_table`` /
+    ``gpu_idle_report``) of one fwd+bwd of ``layer``."""
+    from bench_train_step import gpu_idle_report, kernel_table, traced_step
+
+    def step():
+        out, _ = layer(x, packed_seq_params=psp)
+        out.float().square().mean().backward()
+
+    step()
+    print(kernel_table(traced_step(step, False), top=30))
+    print(gpu_idle_report(traced_step(step, True), top=15))
 
 
 def _time_layer(layer, x, psp, iters: int, dev: str) -> list:
