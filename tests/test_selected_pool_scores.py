@@ -5,8 +5,9 @@ that runs on them against the loss's chunked PyTorch path.
 CPU (CI): Triton's interpreter (``TRITON_INTERPRET=1``, in a fresh process as in tests/test_pool_mass.py) on tiny
 random inputs: two batch rows, head count and selection width not multiples of the tiles (padded heads, a partial
 last step), unused (-1) slots anywhere and a query with none used, pools repeated across queries (the backward's
-atomics add into the same rows); fp32 and fp16 queries (the kernels multiply in fp32; bf16 is left to the GPU, see
-test_pool_mass.py), forward and the three gradients to 1e-6 relative. The whole ``kpool_indexer_kl(fused=True)``
+atomics add into the same rows); fp32, fp16 and bf16 queries (the kernels cast them to fp32 before the products, so
+the interpreter's bf16 products, see test_pool_mass.py, are not involved), forward and the three gradients to 1e-6
+relative. The whole ``kpool_indexer_kl(fused=True)``
 (sparse, with the attention's ``lse``, a context-parallel padding cut ``row_length``) against ``fused=False``.
 
 GPU: the released widths (32 index heads, D 128, 512 selected pools, 4096 queries), fp32 and bf16 queries.
@@ -74,6 +75,7 @@ def _interpreter_checks() -> dict:
     q, keys, w, sel, dout = _random_case(2, 13, 20, 16, 50, 40, gen)
     out["fp32"] = _compare(q, keys, w, sel, dout, 0.25)
     out["fp16"] = _compare(q.half(), keys, w, sel, dout, 0.25)
+    out["bf16"] = _compare(q.bfloat16(), keys, w, sel, dout, 0.25)
 
     # the sparse loss: kernels (one pass) against the chunked PyTorch path, with a CP padding cut
     lens, kpool, index_topk, H, R = [3, 4, 21, 2, 30], 4, 16, 20, 16
@@ -112,16 +114,17 @@ def interpreted():
     return res
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_kernel_forward_and_gradients_on_the_interpreter(interpreted, dtype):
-    """Logits, dq, dpool_keys, dweights to 1e-6 relative; unused slots give exactly 0; dq in the queries' dtype
-    (fp16: compared after casting up, the fp16 rounding of the gradient bounds it at 1e-3); the inputs have ReLU
-    zeros."""
+    """Logits, dq, dpool_keys, dweights to 1e-6 relative; unused slots give exactly 0; the inputs have ReLU zeros.
+    ``dq`` comes in the queries' dtype, rounded from fp32 as autograd rounds it: fp16 1e-5 (the rare value whose
+    fp32 sums straddle a rounding point), bf16 1e-2 (Triton 3.7.1's interpreter converts fp32 to bf16 by
+    truncation, PyTorch rounds to nearest: one bf16 step, ~4e-3 measured)."""
     r = interpreted[dtype]
     assert r["unused_logits_zero"] and r["dq_dtype_kept"] and r["relu_zeros"] > 100, r
     for key in ("logits", "dkeys", "dweights"):
         assert r[key] <= 1e-6, (key, r)
-    assert r["dq"] <= (1e-6 if dtype == "fp32" else 1e-3), r
+    assert r["dq"] <= {"fp32": 1e-6, "fp16": 1e-5, "bf16": 1e-2}[dtype], r
 
 
 def test_sparse_loss_in_one_pass_equals_the_chunked_pytorch_path_on_the_interpreter(interpreted):
