@@ -91,7 +91,8 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
                      row_length: Optional[int] = None,
                      lse: Optional[torch.Tensor] = None,
                      fused: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The indexer KL of this rank's queries, chunked over queries.
+    """The indexer KL of this rank's queries: chunked over queries, or, for the sparse target with the kernels
+    (``fused`` and ``lse``), over all of them in one pass.
 
     Args:
         feats: the indexer's :class:`~megatron_glm5.models.kpool_indexer.KPoolFeatures` (``selected_pools`` set
