@@ -32,9 +32,13 @@ whose KL is compared against the PyTorch path to 1e-6 (CPU) / 1e-5 (GPU).
 
 Tuning left open (not timed): ``BLOCK_N`` / warps (:data:`SELECTED_POOL_SCORES_CONFIG`); ``tf32x3`` products
 instead of ``ieee`` (tensor cores, ~fp32 accuracy); several queries per program sharing the gathered keys of pools
-they both selected (neighbouring queries select mostly the same pools, but in score order, not aligned); fewer
-atomics by reducing ``dkeys`` per program over a block of queries, or a pool-major pass (queries grouped by the
-pool they selected: a sort of ``sel``) that writes each pool's gradient once, deterministically.
+they both selected (neighbouring queries select mostly the same pools, but in score order, not aligned); less
+contention in the atomics (programs of neighbouring queries run together and add into mostly the same pools in
+about the same order: a slot loop starting at an offset of each program's own would spread them); fewer atomics
+by reducing ``dkeys`` per program over a block of queries, or a pool-major pass (queries grouped by the pool they
+selected: a sort of ``sel``) that writes each pool's gradient once, deterministically (it re-reads a query's
+``q [H, D]`` once per pool it selected, ``H`` times the traffic of the atomics' ``[D]`` rows, so it needs the
+blocking too).
 """
 
 from __future__ import annotations
