@@ -24,8 +24,11 @@ from detached attention tensors and the indexer's inputs are detached by the cal
 the indexer and the indexer loss never reaches the model.
 
 Kernels: on CUDA with Triton the target's per-pool mass (sparse with the attention's ``lse``, and dense) comes from
-:mod:`megatron_glm5.kernels.pool_mass` (no ``[c, H, width]`` / ``[c, H, S]`` probabilities); elsewhere, and for
-shapes the kernels do not take, from the PyTorch code here, which is their reference.
+:mod:`megatron_glm5.kernels.pool_mass` (no ``[c, H, width]`` / ``[c, H, S]`` probabilities), and the sparse
+target's indexer logits at the selected pools, with their gradients, from
+:mod:`megatron_glm5.kernels.selected_pool_scores` (no gathered ``[c, n, D]`` keys): the sparse loss then runs over
+all queries at once, no chunks. Elsewhere, and for shapes the kernels do not take, the PyTorch code here runs,
+chunked over queries; it is their reference.
 
 Parallelism: the main attention's heads are split over TP (the head sum is all-reduced over TP; the indexer is
 replicated and sees the whole sequence). Under CP the queries are this rank's, the keys / latents / pools the whole
@@ -41,7 +44,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss, dsa_masking
 
-from megatron_glm5.kernels import pool_mass
+from megatron_glm5.kernels import pool_mass, selected_pool_scores
 from megatron_glm5.kernels.indexer_scores import indexer_scores_reference
 from megatron_glm5.models.packing import document_ids
 
@@ -57,12 +60,12 @@ def _tp_sum(x: torch.Tensor, tp_group) -> torch.Tensor:
 def _kl_rows(target_mass: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> Tuple[torch.Tensor,
                                                                                             torch.Tensor]:
     """``(sum of KL over rows with a candidate, number of such rows)`` from the unnormalised target mass, the
-    indexer scores and the candidate mask (all ``[..., n]``)."""
+    indexer scores and the candidate mask (all ``[..., n]``). A row without a candidate has target 0 and log
+    probabilities 0 (``masked_log_softmax``), so its terms are 0."""
     target = dsa_indexer_loss.normalize_indexer_target(target_mass.masked_fill(~valid, 0.0))
     log_probs = dsa_masking.masked_log_softmax(logits.float(), valid)
-    row = valid.any(-1)
-    kl = dsa_indexer_loss.indexer_kl_per_row(target, log_probs, valid)
-    return kl.masked_fill(~row, 0.0).sum(), row.sum()
+    kl = dsa_indexer_loss.indexer_kl_per_row(target, log_probs, valid)     # 0 on rows without a candidate
+    return kl.sum(), valid.any(-1).sum()
 
 
 def _pool_scores_of(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor, pools: torch.Tensor,
@@ -88,7 +91,8 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
                      row_length: Optional[int] = None,
                      lse: Optional[torch.Tensor] = None,
                      fused: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The indexer KL of this rank's queries, chunked over queries.
+    """The indexer KL of this rank's queries: chunked over queries, or, for the sparse target with the kernels
+    (``fused`` and ``lse``), over all of them in one pass.
 
     Args:
         feats: the indexer's :class:`~megatron_glm5.models.kpool_indexer.KPoolFeatures` (``selected_pools`` set
@@ -101,7 +105,7 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         sparse: target over the selection (else dense causal, see the module docstring).
         tp_group: the attention's TP group (the head sum is all-reduced over it).
         chunk_elements: bound on the elements of a chunk's per-head score tensors (or, with the kernels, of their
-            per-pool mass).
+            per-pool mass; the sparse target with the kernels runs every query in one pass).
         row_length: queries at row positions from it on (a context-parallel split's padding) have no term.
         lse: ``[b, s, Hl]`` the sparse attention's log-sum-exp over the selection (``sparse_mla(...,
             return_lse=True)``, ``sparse`` only): the probabilities are ``exp(score - lse)`` instead of a softmax
@@ -127,6 +131,15 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         n_sel = index_topk // kpool
         width = topk_indices.shape[-1]
         fused = fused and lse is not None
+        if fused and selected_pool_scores.supported(D):
+            # all queries at once: [b, s, n_sel] fp32 mass and logits (32 MB each at 16K), one KL pass
+            mass = _tp_sum(pool_mass.sparse_pool_mass(q_lat, kv_lat, topk_indices, lse, attn_scale, kpool,
+                                                      n_sel * kpool), tp_group)
+            sel = feats.selected_pools
+            valid = (sel >= 0) & _real_rows(feats, 0, s, row_length)[None, :, None]
+            logits = selected_pool_scores.selected_pool_scores(feats.q, feats.pool_keys, feats.weights, sel,
+                                                               index_scale)
+            return _kl_rows(mass, logits, valid)
         outer = max(1, chunk_elements // max(1, b * (n_sel if fused else Hl * width)))
         inner = max(1, chunk_elements // max(1, b * n_sel * max(D, Hi))) if fused else outer
         for A in range(0, s, outer):
