@@ -26,19 +26,18 @@ the whole ``pool_keys`` is ~2 MB at 16K tokens, so the gathers hit L2), and only
   many queries; within one query the pools are distinct). The atomics make ``dpool_keys`` non-deterministic in the
   last bits (the order of fp32 additions), as the PyTorch gather's backward (``scatter_add``) on CUDA is.
 
-Precision: exact fp32 products (``input_precision="ieee"``), as PyTorch's fp32 GEMM with TF32 off: ~70 GFLOP
-forward at 16K queries x 512 pools x 32 heads x 128, affordable next to the DSA layer. The logits feed a softmax
-whose KL is compared against the PyTorch path to 1e-6 (CPU) / 1e-5 (GPU).
+Precision (:func:`_precision`): fp32 products as three TF32 tensor-core products (``tf32x3``) on CUDA, exact
+(``ieee``) on Triton's interpreter; ~70 GFLOP forward at 16K queries x 512 pools x 32 heads x 128. The logits feed
+a softmax whose KL is compared against the PyTorch path to 1e-6 (CPU) / 1e-5 (GPU).
 
-Tuning left open (not timed): ``BLOCK_N`` / warps (:data:`SELECTED_POOL_SCORES_CONFIG`); ``tf32x3`` products
-instead of ``ieee`` (tensor cores, ~fp32 accuracy); several queries per program sharing the gathered keys of pools
-they both selected (neighbouring queries select mostly the same pools, but in score order, not aligned); less
-contention in the atomics (programs of neighbouring queries run together and add into mostly the same pools in
-about the same order: a slot loop starting at an offset of each program's own would spread them); fewer atomics
-by reducing ``dkeys`` per program over a block of queries, or a pool-major pass (queries grouped by the pool they
-selected: a sort of ``sel``) that writes each pool's gradient once, deterministically (it re-reads a query's
-``q [H, D]`` once per pool it selected, ``H`` times the traffic of the atomics' ``[D]`` rows, so it needs the
-blocking too).
+Tuning left open: ``BLOCK_N`` / warps (:data:`SELECTED_POOL_SCORES_CONFIG`); several queries per program sharing the
+gathered keys of pools they both selected (neighbouring queries select mostly the same pools, but in score order, not
+aligned); less contention in the atomics (programs of neighbouring queries run together and add into mostly the same
+pools in about the same order: a slot loop starting at an offset of each program's own would spread them); fewer
+atomics by reducing ``dkeys`` per program over a block of queries, or a pool-major pass (queries grouped by the pool
+they selected: a sort of ``sel``) that writes each pool's gradient once, deterministically (it re-reads a query's ``q
+[H, D]`` once per pool it selected, ``H`` times the traffic of the atomics' ``[D]`` rows, so it needs the blocking
+too).
 """
 
 from __future__ import annotations
@@ -65,7 +64,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _selected_pool_scores_fwd_kernel(Q, K, W, SEL, OUT, s, P, n, H, scale, stride_qt, stride_qh,
-                                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                                         PREC: tl.constexpr):
         """Program ``t`` (query ``t % s`` of batch row ``t // s``): ``OUT[t, :n]``."""
         t, offs_h, offs_d, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), 0, stride_qt,
                                                              stride_qh, H, D, BLOCK_H, BLOCK_N)
@@ -74,14 +74,15 @@ if HAVE_TRITON:
         keys_row = K + (t // s) * P * D
         for n0 in range(0, n, BLOCK_N):
             _, _, keys = _gather_selected(SEL, keys_row, t, n, D, n0, n, offs_nb, offs_d)  # [BLOCK_N, D]
-            scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale              # [BLOCK_H, BLOCK_N]
+            scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale              # [BLOCK_H, BLOCK_N]
             logits = tl.sum(w[:, None] * tl.maximum(scores, 0.0), 0)
             cols = n0 + offs_nb
             tl.store(OUT + t * n + cols, logits, mask=cols < n)
 
     @triton.jit
     def _selected_pool_scores_bwd_kernel(Q, K, W, SEL, DOUT, DQ, DK, DW, s, P, n, H, scale, stride_qt, stride_qh,
-                                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                                         PREC: tl.constexpr):
         """Program ``t``: ``DQ[t]``, ``DW[t]`` written, ``DK[t // s, sel[t, j]]`` added to (fp32 atomics)."""
         t, offs_h, offs_d, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), 0, stride_qt,
                                                              stride_qh, H, D, BLOCK_H, BLOCK_N)
@@ -95,15 +96,22 @@ if HAVE_TRITON:
             rows, ok, keys = _gather_selected(SEL, keys_row, t, n, D, n0, n, offs_nb, offs_d)
             cols = n0 + offs_nb
             dl = tl.load(DOUT + t * n + cols, mask=ok, other=0.0)                            # [BLOCK_N]
-            scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+            scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale
             dw += tl.sum(tl.maximum(scores, 0.0) * dl[None, :], 1)
             g = tl.where(scores > 0.0, (w * scale)[:, None] * dl[None, :], 0.0)              # [BLOCK_H, BLOCK_N]
-            dq += tl.dot(g, keys, input_precision="ieee")
-            dk = tl.dot(tl.trans(g), q, input_precision="ieee")                               # [BLOCK_N, D]
+            dq += tl.dot(g, keys, input_precision=PREC)
+            dk = tl.dot(tl.trans(g), q, input_precision=PREC)                               # [BLOCK_N, D]
             tl.atomic_add(dkeys_row + rows[:, None] * D + offs_d[None, :], dk, mask=ok[:, None], sem="relaxed")
         tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=h_ok[:, None])
         tl.store(DW + t * H + offs_h, dw, mask=h_ok)
+
+
+def _precision(t: torch.Tensor) -> str:
+    """The products' precision: ``tf32x3`` on CUDA (three TF32 tensor-core products per fp32 product, within
+    about 1e-6 relative of fp32: the ``ieee`` form runs on the CUDA cores at ~1/30 of the speed), ``ieee`` elsewhere
+    (Triton's interpreter)."""
+    return "tf32x3" if t.is_cuda else "ieee"
 
 
 def _block_h(H: int) -> int:
@@ -128,7 +136,8 @@ class _SelectedPoolScores(torch.autograd.Function):
         if b * s and n:
             _selected_pool_scores_fwd_kernel[(b * s,)](
                 qf, kf, wf, sf, out, s, P, n, H, float(scale), qf.stride(0), qf.stride(1),
-                D=D, BLOCK_H=_block_h(H), BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+                D=D, BLOCK_H=_block_h(H), BLOCK_N=cfg["BLOCK_N"], PREC=_precision(qf),
+                num_warps=cfg["num_warps"])
         ctx.save_for_backward(qf, kf, wf, sf)
         ctx.shape, ctx.scale = (b, s, H, D, P, n), float(scale)
         ctx.dtypes = (pool_keys.dtype, weights.dtype)
@@ -146,7 +155,8 @@ class _SelectedPoolScores(torch.autograd.Function):
         if b * s and n:
             _selected_pool_scores_bwd_kernel[(b * s,)](
                 qf, kf, wf, sf, dout, dq, dk, dw, s, P, n, H, ctx.scale, qf.stride(0), qf.stride(1),
-                D=D, BLOCK_H=_block_h(H), BLOCK_N=cfg["bwd_BLOCK_N"], num_warps=cfg["bwd_num_warps"])
+                D=D, BLOCK_H=_block_h(H), BLOCK_N=cfg["bwd_BLOCK_N"], PREC=_precision(qf),
+                num_warps=cfg["bwd_num_warps"])
         else:
             dq.zero_()
             dw.zero_()
