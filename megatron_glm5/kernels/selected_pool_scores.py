@@ -48,7 +48,7 @@ from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["SELECTED_POOL_SCORES_CONFIG", "selected_pool_scores", "supported"]
 
-SELECTED_POOL_SCORES_CONFIG = dict(BLOCK_N=64, num_warps=4, bwd_BLOCK_N=32, bwd_num_warps=8)
+SELECTED_POOL_SCORES_CONFIG = dict(BLOCK_N=64, num_warps=4, bwd_BLOCK_N=32, bwd_num_warps=4, bwd_programs_per_sm=8)
 """Tiling: selected pools per step and warps, forward and backward (the backward holds ``q``, ``dq``
 ``[H, D]`` and a ``[BLOCK_N, D]`` key tile and its gradient)."""
 
@@ -80,31 +80,43 @@ if HAVE_TRITON:
             tl.store(OUT + t * n + cols, logits, mask=cols < n)
 
     @triton.jit
-    def _selected_pool_scores_bwd_kernel(Q, K, W, SEL, DOUT, DQ, DK, DW, s, P, n, H, scale, stride_qt, stride_qh,
-                                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _selected_pool_scores_bwd_kernel(Q, K, W, SEL, DOUT, DQ, DK, DW, SCRATCH, T, s, P, n, H, scale, stride_qt,
+                                         stride_qh, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                          PREC: tl.constexpr):
-        """Program ``t``: ``DQ[t]``, ``DW[t]`` written, ``DK[t // s, sel[t, j]]`` added to (fp32 atomics)."""
-        t, offs_h, offs_d, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), 0, stride_qt,
-                                                             stride_qh, H, D, BLOCK_H, BLOCK_N)
-        q = q.to(tl.float32)
-        w = tl.load(W + t * H + offs_h, mask=h_ok, other=0.0)
-        keys_row = K + (t // s) * P * D
-        dkeys_row = DK + (t // s) * P * D
-        dq = tl.zeros([BLOCK_H, D], tl.float32)
-        dw = tl.zeros([BLOCK_H], tl.float32)
-        for n0 in range(0, n, BLOCK_N):
-            rows, ok, keys = _gather_selected(SEL, keys_row, t, n, D, n0, n, offs_nb, offs_d)
-            cols = n0 + offs_nb
-            dl = tl.load(DOUT + t * n + cols, mask=ok, other=0.0)                            # [BLOCK_N]
-            scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale
-            dw += tl.sum(tl.maximum(scores, 0.0) * dl[None, :], 1)
-            g = tl.where(scores > 0.0, (w * scale)[:, None] * dl[None, :], 0.0)              # [BLOCK_H, BLOCK_N]
-            dq += tl.dot(g, keys, input_precision=PREC)
-            dk = tl.dot(tl.trans(g), q, input_precision=PREC)                               # [BLOCK_N, D]
-            tl.atomic_add(dkeys_row + rows[:, None] * D + offs_d[None, :], dk, mask=ok[:, None], sem="relaxed")
-        tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=h_ok[:, None])
-        tl.store(DW + t * H + offs_h, dw, mask=h_ok)
+        """Persistent: program ``pid`` takes queries ``pid, pid + num_programs, ...`` of the ``T`` in all; for each,
+        ``DQ[t]`` and ``DW[t]`` are written and ``DK[t // s, sel[t, j]]`` is added to (fp32 atomics). ``G`` (built
+        from the recomputed scores, an operand of both products) passes through this program's ``SCRATCH``
+        ``[BLOCK_H, BLOCK_N]``: on sm_90 the Triton of torch 2.11 gives wrong products when a matrix-product result
+        is an operand directly (as ``sparse_mla``'s dkv kernel notes); loaded back it has a plain blocked layout."""
+        pid = tl.program_id(0)
+        scr = SCRATCH + pid.to(tl.int64) * (BLOCK_H * BLOCK_N)
+        offs_s = tl.arange(0, BLOCK_H)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        for work in range(pid, T, tl.num_programs(0)):
+            t, offs_h, offs_d, offs_nb, h_ok, q = _program_query(Q, tl.cast(work, tl.int64), 0, stride_qt, stride_qh, H,
+                                                                 D, BLOCK_H, BLOCK_N)
+            q = q.to(tl.float32)
+            w = tl.load(W + t * H + offs_h, mask=h_ok, other=0.0)
+            keys_row = K + (t // s) * P * D
+            dkeys_row = DK + (t // s) * P * D
+            dq = tl.zeros([BLOCK_H, D], tl.float32)
+            dw = tl.zeros([BLOCK_H], tl.float32)
+            for n0 in range(0, n, BLOCK_N):
+                rows, ok, keys = _gather_selected(SEL, keys_row, t, n, D, n0, n, offs_nb, offs_d)
+                cols = n0 + offs_nb
+                dl = tl.load(DOUT + t * n + cols, mask=ok, other=0.0)                        # [BLOCK_N]
+                scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale
+                dw += tl.sum(tl.maximum(scores, 0.0) * dl[None, :], 1)
+                g = tl.where(scores > 0.0, (w * scale)[:, None] * dl[None, :], 0.0)          # [BLOCK_H, BLOCK_N]
+                tl.store(scr + offs_s, g)
+                tl.debug_barrier()
+                g = tl.load(scr + offs_s)
+                dq += tl.dot(g, keys, input_precision=PREC)
+                dk = tl.dot(tl.trans(g), q, input_precision=PREC)                           # [BLOCK_N, D]
+                tl.debug_barrier()                        # every read of the scratch done before the next step
+                tl.atomic_add(dkeys_row + rows[:, None] * D + offs_d[None, :], dk, mask=ok[:, None], sem="relaxed")
+            tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                     mask=h_ok[:, None])
+            tl.store(DW + t * H + offs_h, dw, mask=h_ok)
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -153,10 +165,13 @@ class _SelectedPoolScores(torch.autograd.Function):
         dw = torch.empty(b * s, H, device=qf.device, dtype=torch.float32)
         cfg = SELECTED_POOL_SCORES_CONFIG
         if b * s and n:
-            _selected_pool_scores_bwd_kernel[(b * s,)](
-                qf, kf, wf, sf, dout, dq, dk, dw, s, P, n, H, ctx.scale, qf.stride(0), qf.stride(1),
-                D=D, BLOCK_H=_block_h(H), BLOCK_N=cfg["bwd_BLOCK_N"], PREC=_precision(qf),
-                num_warps=cfg["bwd_num_warps"])
+            sms = torch.cuda.get_device_properties(qf.device).multi_processor_count if qf.is_cuda else 1
+            programs = max(1, min(b * s, sms * cfg["bwd_programs_per_sm"]))
+            bh, bn = _block_h(H), cfg["bwd_BLOCK_N"]
+            scratch = torch.empty(programs, bh, bn, device=qf.device, dtype=torch.float32)
+            _selected_pool_scores_bwd_kernel[(programs,)](
+                qf, kf, wf, sf, dout, dq, dk, dw, scratch, b * s, s, P, n, H, ctx.scale, qf.stride(0), qf.stride(1),
+                D=D, BLOCK_H=bh, BLOCK_N=bn, PREC=_precision(qf), num_warps=cfg["bwd_num_warps"])
         else:
             dq.zero_()
             dw.zero_()

@@ -337,8 +337,9 @@ class Glm5DSAttention(MegatronModule):
     def _attention_fused(self, q, kv_lat, topk_indices, return_lse: bool = False):
         """'fused' backend: :meth:`_attention_sparse`'s absorbed form with the Triton sparse MLA kernel. Same
         shapes. The indexer's tail slots (the last ``kpool - 1``) are moved to the front so that every row's valid
-        slots end early and the kernel skips the unused pool slots of short contexts. ``return_lse``: also the
-        kernel's log-sum-exp ``[b, s, Hl]`` (for the sparse indexer loss)."""
+        slots end early and the kernel skips the unused pool slots of short contexts. ``return_lse``: ``(out, lse,
+        q_lat)``, also the kernel's log-sum-exp ``[b, s, Hl]`` and the absorbed queries ``[b, s, Hl, r]`` (for the
+        sparse indexer loss)."""
         w_kc, w_vc = self.absorbed_weights()
         if get_pg_size(self.tp_group) > 1:
             kv_lat = copy_to_tensor_model_parallel_region(kv_lat, group=self.tp_group)
@@ -349,7 +350,7 @@ class Glm5DSAttention(MegatronModule):
         o_lat = sparse_mla(q_lat, kv_lat.transpose(0, 1), topk_indices, self.softmax_scale, return_lse=return_lse)
         if return_lse:
             o_lat, lse = o_lat
-            return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc), lse
+            return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc), lse, q_lat
         return torch.einsum("bshr,hvr->sbhv", o_lat, w_vc)                           # [s, b, H, dv]
 
     # ------------------------------------------------------------------ forward
@@ -391,11 +392,11 @@ class Glm5DSAttention(MegatronModule):
                                  f"layer's topk indices as shared_topk_indices")
             topk_indices = shared_topk_indices
 
-        lse = None
+        lse = q_lat = None
         if self.config.dsa_indexer_warmup:
             out = self._attention_dense(q, kv_lat, packed_seq_params)
         elif self.backend == "fused" and use_indexer_loss and self.config.dsa_indexer_use_sparse_loss:
-            out, lse = self._attention_fused(q, kv_lat, topk_indices, return_lse=True)
+            out, lse, q_lat = self._attention_fused(q, kv_lat, topk_indices, return_lse=True)
         elif self.backend == "fused":
             out = self._attention_fused(q, kv_lat, topk_indices)
         elif self.backend == "sparse":
@@ -408,15 +409,16 @@ class Glm5DSAttention(MegatronModule):
         output = linear_output(self.o_proj(out))
         if use_indexer_loss:
             output = self._attach_indexer_loss(output, q, kv_lat, topk_indices, feats, coeff,
-                                               getattr(packed_seq_params, "row_length", None), lse)
+                                               getattr(packed_seq_params, "row_length", None), lse, q_lat)
         return output, topk_indices
 
-    def _attach_indexer_loss(self, output, q, kv_lat, topk_indices, feats, coeff, row_length=None, lse=None):
+    def _attach_indexer_loss(self, output, q, kv_lat, topk_indices, feats, coeff, row_length=None, lse=None,
+                             q_lat=None):
         """The indexer loss of this micro batch (:mod:`megatron_glm5.models.indexer_loss`; target from the detached
         attention tensors), recorded for the 'indexer loss' log line and attached to ``output`` through
         megatron-core's ``DSAIndexerLossAutoScaler`` (its gradient, scaled like the main loss, joins the backward;
-        the output and its gradient pass unchanged). ``lse``: the fused kernel's log-sum-exp of the sparse
-        attention (the sparse target then reuses it)."""
+        the output and its gradient pass unchanged). ``lse`` / ``q_lat``: the fused kernel's log-sum-exp of the
+        sparse attention and its absorbed queries (the sparse target then reuses both)."""
         from megatron.core.transformer.experimental_attention_variant.dsa import (
             DSAIndexerLossAutoScaler,
             DSAIndexerLossLoggingHelper,
@@ -424,8 +426,10 @@ class Glm5DSAttention(MegatronModule):
 
         from megatron_glm5.models.indexer_loss import indexer_loss_slot, indexer_loss_value, kpool_indexer_kl
 
-        w_kc, _ = self.absorbed_weights()
-        q_lat = torch.einsum("sbhd,hdr->bshr", q.detach(), w_kc.detach())             # [b, s, Hl, r]
+        if q_lat is None:
+            w_kc, _ = self.absorbed_weights()
+            q_lat = torch.einsum("sbhd,hdr->bshr", q.detach(), w_kc.detach())         # [b, s, Hl, r]
+        q_lat = q_lat.detach()
         sparse = bool(self.config.dsa_indexer_use_sparse_loss) and not self.config.dsa_indexer_warmup
         kl, rows = kpool_indexer_kl(feats, q_lat, kv_lat.detach().transpose(0, 1), self.softmax_scale,
                                     self.indexer.softmax_scale, topk_indices, self.indexer.kpool,
