@@ -143,9 +143,11 @@ def test_sparse_loss_in_one_pass_equals_the_chunked_pytorch_path_on_the_interpre
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_released_widths_gpu(dtype):
-    """32 index heads, D 128, 512 selected pools of 1024 (4096 queries, kpool 4): the kernel's logits and three
-    gradients against ``_pool_scores_of`` + autograd (1e-5 relative: fp32 products in another order, atomics), and
-    the sparse loss from the kernels against the PyTorch path (64 heads, latent 512; values and gradients 1e-5)."""
+    """32 index heads, D 128, 512 selected pools of 1024 (4096 queries, kpool 4): the kernel's logits and
+    ``dweights`` against ``_pool_scores_of`` + autograd to 1e-5 of their norm (TF32x3 products, atomics), ``dq`` and
+    ``dpool_keys`` to 3e-3 (the backward's TF32 products, and the ReLU: a score within rounding of 0 lands on the
+    other side of it in one of the two computations and moves a whole term; ~9e-4 measured on an H100); the sparse
+    loss from the kernels against the PyTorch path (64 heads, latent 512): value 1e-5, indexer gradients 3e-3."""
     from megatron_glm5.kernels.sparse_mla import HAVE_TRITON, sparse_mla
     from megatron_glm5.models import indexer_loss as il
 
@@ -155,8 +157,10 @@ def test_released_widths_gpu(dtype):
     q, keys, w, sel, dout = _random_case(1, 4096, 32, 128, 1024, 512, gen, device="cuda")
     r = _compare(q.to(dtype), keys, w, sel, dout, 128 ** -0.5)
     assert r["unused_logits_zero"] and r["dq_dtype_kept"], r
-    for key in ("logits", "dq", "dkeys", "dweights"):
-        assert r[key] <= (1e-5 if key != "dq" or dtype == torch.float32 else 1e-2), (key, r)
+    for key in ("logits", "dweights"):
+        assert r[key] <= 1e-5, (key, r)
+    for key in ("dq", "dkeys"):
+        assert r[key] <= (3e-3 if key != "dq" or dtype == torch.float32 else 1e-2), (key, r)
 
     lens, kpool, index_topk, H, R = [3000, 1096], 4, 2048, 64, 512
     s = sum(lens)
@@ -185,7 +189,7 @@ def test_released_widths_gpu(dtype):
     assert got[True][1] == got[False][1] > 0
     assert _rel(got[True][0], got[False][0]) <= 1e-5, (got[True][0].item(), got[False][0].item())
     for n in got[False][2]:
-        assert _rel(got[True][2][n], got[False][2][n]) <= 1e-5, n
+        assert _rel(got[True][2][n], got[False][2][n]) <= 3e-3, (n, _rel(got[True][2][n], got[False][2][n]))
 
 
 if __name__ == "__main__":

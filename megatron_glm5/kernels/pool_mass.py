@@ -39,10 +39,12 @@ from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["POOL_MASS_CONFIG", "supported", "sparse_pool_mass", "dense_pool_mass"]
 
-POOL_MASS_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)
+POOL_MASS_CONFIG = dict(BLOCK_H=64, BLOCK_N=128, num_warps=8, num_stages=1)
 """Tiling of both kernels: heads per program (capped at the padded head count), latent rows per step (raised to
 ``kpool`` when smaller), warps, stages. On CUDA ``BLOCK_N``, the stages, then ``BLOCK_H`` are cut until q
-``[BLOCK_H, R]`` and the staged rows ``[BLOCK_N, R]`` fit the device's shared memory (``sparse_mla.device_limits``)."""
+``[BLOCK_H, R]`` and the staged rows ``[BLOCK_N, R]`` fit the device's shared memory (``sparse_mla.device_limits``).
+Measured on an H100 (sparse mass, 16K queries, 64 heads, latent 512): 128 rows at one stage 10.0 ms, 64 at two
+10.8 ms, 32 at two 14.9 ms."""
 
 
 def supported(kpool: int, latent: int) -> bool:
