@@ -160,16 +160,22 @@ def _interpreter_checks() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def interpreted():
+def run_on_the_interpreter(script: str) -> dict:
+    """Run the test file ``script`` as a program under Triton's interpreter (``TRITON_INTERPRET=1`` is read when the
+    kernels are decorated, so it needs its own process) and return the JSON its last stdout line holds."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, os.path.abspath(script)], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=600)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     print(res)
     return res
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_on_the_interpreter(__file__)
 
 
 def test_kernels_equal_the_pytorch_target_on_the_interpreter(interpreted):

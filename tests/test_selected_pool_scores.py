@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -27,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from test_pool_mass import _features, _rel  # noqa: E402
+from test_pool_mass import _features, _rel, run_on_the_interpreter  # noqa: E402
 
 
 def _random_case(b, s, H, D, P, n, gen, device="cpu"):
@@ -104,14 +103,7 @@ def _interpreter_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=600)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(res)
-    return res
+    return run_on_the_interpreter(__file__)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])

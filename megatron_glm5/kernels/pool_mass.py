@@ -136,6 +136,20 @@ def _tiling(q: torch.Tensor, kpool: int) -> dict:
     return cfg
 
 
+def _launch_operands(q_lat: torch.Tensor, kv_lat: torch.Tensor, kpool: int, n_cols: int):
+    """Both kernels' operands: ``q [b c, H, R]`` (unit-stride rows), ``kv [b S, R]`` in q's dtype, the tiling, the
+    head block, the number of head blocks and the zeroed per-head-block output ``[n_hb, b c, n_cols]`` fp32."""
+    b, c, H, R = q_lat.shape
+    q = q_lat.reshape(b * c, H, R)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    kv = kv_lat.reshape(-1, R).contiguous().to(q.dtype)
+    cfg = _tiling(q, kpool)
+    bh = _block_h(H, cfg["BLOCK_H"])
+    n_hb = triton.cdiv(H, bh)
+    return q, kv, cfg, bh, n_hb, torch.zeros(n_hb, b * c, n_cols, device=q.device, dtype=torch.float32)
+
+
 def _check(q_lat: torch.Tensor, kpool: int) -> None:
     if not supported(kpool, q_lat.shape[-1]):
         raise ValueError(f"pool_mass kernels need triton and powers of two for kpool ({kpool}) and the latent width "
@@ -170,15 +184,8 @@ def sparse_pool_mass(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: to
     S = kv_lat.shape[1]
     n_out = n_pool_slots // kpool
     idx, n_end = prepare_indices(topk_indices[..., :n_pool_slots], S)                 # [b s, n_pool_slots]
-    q = q_lat.reshape(b * s, H, R)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    kv = kv_lat.reshape(b * S, R).contiguous().to(q.dtype)
+    q, kv, cfg, bh, n_hb, out = _launch_operands(q_lat, kv_lat, kpool, n_out)
     lse2 = (lse.float() * _LOG2E).reshape(b * s, H).contiguous()
-    cfg = _tiling(q, kpool)
-    bh = _block_h(H, cfg["BLOCK_H"])
-    n_hb = triton.cdiv(H, bh)
-    out = torch.zeros(n_hb, b * s, n_out, device=q.device, dtype=torch.float32)
     if b * s and n_out:
         _sparse_pool_mass_kernel[(b * s, n_hb)](
             q, kv, idx, n_end, lse2, out, float(scale) * _LOG2E, b * s, n_out,
@@ -212,15 +219,8 @@ def dense_pool_mass(q_lat: torch.Tensor, kv_lat: torch.Tensor, key_start: torch.
     _check(q_lat, kpool)
     b, c, H, R = q_lat.shape
     S = kv_lat.shape[1]
-    q = q_lat.reshape(b * c, H, R)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    kv = kv_lat.reshape(b * S, R).contiguous().to(q.dtype)
+    q, kv, cfg, bh, n_hb, out = _launch_operands(q_lat, kv_lat, kpool, n_cols)
     meta = [x.to(device=q.device, dtype=torch.int32).contiguous() for x in (key_start, key_end, pool_col, pool_count)]
-    cfg = _tiling(q, kpool)
-    bh = _block_h(H, cfg["BLOCK_H"])
-    n_hb = triton.cdiv(H, bh)
-    out = torch.zeros(n_hb, b * c, n_cols, device=q.device, dtype=torch.float32)
     if b * c and n_cols:
         _dense_pool_mass_kernel[(b * c, n_hb)](
             q, kv, *meta, out, float(scale) * _LOG2E, b * c, c, S, n_cols,
