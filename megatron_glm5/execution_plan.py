@@ -309,8 +309,14 @@ def resolve_execution_plan(config, device=None, process_groups=None,
     blockers = tuple(moe_graph_blockers(config, sizes))
     value = getattr(config, "moe_cuda_graph", None)
     graphs = cuda if value is None else bool(value)
+    sequential = has_moe and cuda and graphs and experts != "grouped"
+    if sequential:  # fixed by the build, unlike the config's blockers (asked again each step): no graphs at all
+        blockers += (f"the {experts} experts (megatron-core's SequentialMLP reads the token counts on the host)",)
+        graphs = False
     if not has_moe:
         state = "no MoE layers"
+    elif sequential:
+        state = f"fallback: the MoE layers run eagerly: graphs are blocked by {', '.join(blockers)}"
     elif graphs and blockers:
         state = f"fallback: the MoE layers run eagerly: graphs are blocked by {', '.join(blockers)}"
     elif graphs:

@@ -70,8 +70,9 @@ def test_cuda_bf16_plan_table(fake_gpu):
 
 
 def test_cuda_plan_falls_back_with_reasons(fake_gpu):
-    """sm_80: DSA on its reference; fp32: 'fla' KDA and megatron-core's experts; recompute: eager MoE layers; an
-    explicit choice is kept and named as such."""
+    """sm_80: DSA on its reference; fp32: 'fla' KDA and megatron-core's experts, so no MoE graphs (SequentialMLP
+    reads the token counts on the host: a capture fails); recompute: eager MoE layers while it is on; an explicit
+    choice is kept and named as such."""
     cfg = Glm5Config.from_hf(tiny_hf_config(), use_cpu_initialization=True, recompute_granularity="full",
                              recompute_method="uniform", recompute_num_layers=1)
     rows = _rows(resolve_execution_plan(cfg, "cuda", capability=(8, 0)))
@@ -81,8 +82,13 @@ def test_cuda_plan_falls_back_with_reasons(fake_gpu):
     assert rows["kda_backend"][0] == "fla" and "fp32" in rows["kda_backend"][1]
     assert rows["moe_experts_backend"] == ("sequential", "fallback: megatron-core's SequentialMLP: grouped GEMMs are "
                                                          "blocked by fp32 (the grouped GEMMs run in bf16)")
-    assert rows["moe_cuda_graph"] == ("True", "fallback: the MoE layers run eagerly: graphs are blocked by "
-                                              "recompute_granularity=full")
+    assert rows["moe_cuda_graph"] == ("False", "fallback: the MoE layers run eagerly: graphs are blocked by "
+                                               "recompute_granularity=full, the sequential experts (megatron-core's "
+                                               "SequentialMLP reads the token counts on the host)")
+    cfg = Glm5Config.from_hf(tiny_hf_config(), use_cpu_initialization=True, recompute_granularity="full",
+                             recompute_method="uniform", recompute_num_layers=1, bf16=True)
+    plan = resolve_execution_plan(cfg, "cuda", capability=(9, 0))   # recompute alone: asked again each step
+    assert plan.moe_cuda_graph and plan.moe_graph_blockers == ("recompute_granularity=full",)
     cfg = Glm5Config.from_hf(tiny_hf_config(), use_cpu_initialization=True, bf16=True, dsa_backend="sparse")
     assert _rows(resolve_execution_plan(cfg, "cuda", capability=(9, 0)))["dsa_backend"] == \
         ("sparse", "set by flag or config (fast path: fused)")
