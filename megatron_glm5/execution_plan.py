@@ -299,19 +299,25 @@ def resolve_execution_plan(config, device=None, process_groups=None,
     # DSA
     dsa = pick("dsa_backend", "torch" if "dsa_backend" in fallbacks else "fused", fallbacks.get("dsa_backend"))
     # MoE experts
+    blocked = grouped_experts_blockers(config, dtype, sizes) if cuda else []
     if not cuda:
         experts = pick("moe_experts_backend", "sequential", fallbacks["moe_experts_backend"])
     else:
-        blocked = grouped_experts_blockers(config, dtype, sizes)
         experts = pick("moe_experts_backend", "sequential" if blocked else "grouped",
                        "megatron-core's SequentialMLP: grouped GEMMs are blocked by " + ", ".join(blocked))
+        if experts == "grouped" and blocked:  # set by flag or config: GroupedExperts runs SequentialMLP's forward
+            rows[-1] = ("moe_experts_backend", experts, "fallback: GroupedExperts runs megatron-core's SequentialMLP: "
+                        "grouped GEMMs are blocked by " + ", ".join(blocked))
     # MoE CUDA graphs
     blockers = tuple(moe_graph_blockers(config, sizes))
     value = getattr(config, "moe_cuda_graph", None)
     graphs = cuda if value is None else bool(value)
-    sequential = has_moe and cuda and graphs and experts != "grouped"
-    if sequential:  # fixed by the build, unlike the config's blockers (asked again each step): no graphs at all
-        blockers += (f"the {experts} experts (megatron-core's SequentialMLP reads the token counts on the host)",)
+    # experts that run megatron-core's SequentialMLP (chosen, or 'grouped' where GroupedExperts falls back to it)
+    # read the token counts on the host, which no capture takes; fixed by the build, unlike the config's blockers
+    # (asked again each step): no graphs at all
+    sequential = has_moe and cuda and graphs and (experts != "grouped" or bool(blocked))
+    if sequential:
+        blockers += ("the sequential experts (megatron-core's SequentialMLP reads the token counts on the host)",)
         graphs = False
     if not has_moe:
         state = "no MoE layers"

@@ -39,7 +39,7 @@ def test_hopper_with_triton_and_fla_runs_every_fast_path(monkeypatch):
     assert builder.backend_fallbacks("cuda") == {}
     backends = builder.default_backends("cuda")
     assert {k: backends[k] for k in builder.FAST_BACKENDS} == builder.FAST_BACKENDS
-    table = builder.describe_backends(_config(**backends), "cuda")
+    table = builder.describe_backends(_config(**backends, bf16=True), "cuda")   # fp32: test_execution_plan.py
     assert table.splitlines()[0] == "megatron_glm5 backends (NVIDIA H200, sm_90):"
     for key in builder.FAST_BACKENDS:
         assert _row(table, key).endswith("fast path"), table

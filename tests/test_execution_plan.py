@@ -89,6 +89,13 @@ def test_cuda_plan_falls_back_with_reasons(fake_gpu):
                              recompute_method="uniform", recompute_num_layers=1, bf16=True)
     plan = resolve_execution_plan(cfg, "cuda", capability=(9, 0))   # recompute alone: asked again each step
     assert plan.moe_cuda_graph and plan.moe_graph_blockers == ("recompute_granularity=full",)
+    cfg = Glm5Config.from_hf(tiny_hf_config(), use_cpu_initialization=True, moe_experts_backend="grouped",
+                             moe_cuda_graph=True)                  # fp32, grouped asked for: it falls back
+    rows = _rows(resolve_execution_plan(cfg, "cuda", capability=(9, 0)))
+    assert rows["moe_experts_backend"] == ("grouped", "fallback: GroupedExperts runs megatron-core's SequentialMLP: "
+                                                      "grouped GEMMs are blocked by fp32 (the grouped GEMMs run in "
+                                                      "bf16)")
+    assert rows["moe_cuda_graph"][0] == "False" and "the sequential experts" in rows["moe_cuda_graph"][1]
     cfg = Glm5Config.from_hf(tiny_hf_config(), use_cpu_initialization=True, bf16=True, dsa_backend="sparse")
     assert _rows(resolve_execution_plan(cfg, "cuda", capability=(9, 0)))["dsa_backend"] == \
         ("sparse", "set by flag or config (fast path: fused)")
