@@ -80,6 +80,32 @@ def _features(lens, kpool, index_topk, seed, Hi=4, D=16, holes=0.25):
     return feats, leaf, idx, cu
 
 
+def released_width_case(dtype):
+    """The GPU tests' case at released widths on CUDA: a row of two documents (3000 and 1096 tokens), kpool 4,
+    index_topk 2048, 32 index heads of 128, 5 % unused slots (``_features``, its indexer side as CUDA leaves), and
+    the attention's side: ``q_lat [1, s, 64, 512]``, ``c [1, s, 512]`` in ``dtype``, the scale and the fused
+    attention's ``lse``. Returns ``(feats, leaf, idx, q_lat, c, scale, lse, kpool, index_topk)``."""
+    from megatron_glm5.kernels.sparse_mla import sparse_mla
+
+    lens, kpool, index_topk, H, R = [3000, 1096], 4, 2048, 64, 512
+    s = sum(lens)
+    feats, leaf, idx, _ = _features(lens, kpool, index_topk, seed=1, Hi=32, D=128, holes=0.05)
+    dev = torch.device("cuda")
+    for f in ("cu_seqlens", "pool_tokens", "pool_doc", "pool_end", "query_doc", "selected_pools"):
+        setattr(feats, f, getattr(feats, f).to(dev))
+    for n, t in vars(leaf).items():
+        cuda_leaf = t.detach().to(dev).requires_grad_(True)
+        setattr(leaf, n, cuda_leaf)
+        setattr(feats, n, cuda_leaf)
+    idx = idx.to(dev)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q_lat = (torch.randn(1, s, H, R, device=dev, generator=gen) * 0.1).to(dtype)
+    c = torch.randn(1, s, R, device=dev, generator=gen).to(dtype)
+    scale = 192 ** -0.5
+    _, lse = sparse_mla(q_lat, c, idx, scale, return_lse=True)
+    return feats, leaf, idx, q_lat, c, scale, lse, kpool, index_topk
+
+
 def _interpreter_checks() -> dict:
     """Runs in a process started with ``TRITON_INTERPRET=1``; returns the measured relative differences."""
     from megatron_glm5.kernels import pool_mass
@@ -210,24 +236,13 @@ def test_kernels_at_released_widths_gpu(dtype):
     the sparse mass with the fused attention's lse, the dense mass and both losses equal the PyTorch path's (fp32
     1e-6 relative; bf16 1e-5: the same 16-bit values multiplied exactly, accumulated in fp32 in another order)."""
     from megatron_glm5.kernels import pool_mass
-    from megatron_glm5.kernels.sparse_mla import HAVE_TRITON, sparse_mla
+    from megatron_glm5.kernels.sparse_mla import HAVE_TRITON
     from megatron_glm5.models import indexer_loss as il
 
     if not HAVE_TRITON:
         pytest.skip("needs triton")
-    lens, kpool, index_topk, H, R = [3000, 1096], 4, 2048, 64, 512
-    s = sum(lens)
-    feats, leaf, idx, _ = _features(lens, kpool, index_topk, seed=1, Hi=32, D=128, holes=0.05)
-    dev = torch.device("cuda")
-    for f in ("q", "pool_keys", "weights", "cu_seqlens", "pool_tokens", "pool_doc", "pool_end", "query_doc",
-              "selected_pools"):
-        setattr(feats, f, getattr(feats, f).to(dev))
-    idx = idx.to(dev)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    q_lat = (torch.randn(1, s, H, R, device=dev, generator=gen) * 0.1).to(dtype)
-    c = torch.randn(1, s, R, device=dev, generator=gen).to(dtype)
-    scale = 192 ** -0.5
-    _, lse = sparse_mla(q_lat, c, idx, scale, return_lse=True)
+    feats, _, idx, q_lat, c, scale, lse, kpool, index_topk = released_width_case(dtype)
+    s = q_lat.shape[1]
     tol = 1e-6 if dtype == torch.float32 else 1e-5
     got = pool_mass.sparse_pool_mass(q_lat, c, idx, lse, scale, kpool, index_topk)
     ref = torch.cat([il._sparse_pool_mass(q_lat[:, a:a + 256], c, idx[:, a:a + 256], scale, kpool,

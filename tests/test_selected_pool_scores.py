@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from test_pool_mass import _features, _rel, run_on_the_interpreter  # noqa: E402
+from test_pool_mass import _features, _rel, released_width_case, run_on_the_interpreter  # noqa: E402
 
 
 def _random_case(b, s, H, D, P, n, gen, device="cpu"):
@@ -140,7 +140,7 @@ def test_released_widths_gpu(dtype):
     ``dpool_keys`` to 3e-3 (the backward's TF32 products, and the ReLU: a score within rounding of 0 lands on the
     other side of it in one of the two computations and moves a whole term; ~9e-4 measured on an H100); the sparse
     loss from the kernels against the PyTorch path (64 heads, latent 512): value 1e-5, indexer gradients 3e-3."""
-    from megatron_glm5.kernels.sparse_mla import HAVE_TRITON, sparse_mla
+    from megatron_glm5.kernels.sparse_mla import HAVE_TRITON
     from megatron_glm5.models import indexer_loss as il
 
     if not HAVE_TRITON:
@@ -154,22 +154,7 @@ def test_released_widths_gpu(dtype):
     for key in ("dq", "dkeys"):
         assert r[key] <= (3e-3 if key != "dq" or dtype == torch.float32 else 1e-2), (key, r)
 
-    lens, kpool, index_topk, H, R = [3000, 1096], 4, 2048, 64, 512
-    s = sum(lens)
-    feats, leaf, idx, _ = _features(lens, kpool, index_topk, seed=1, Hi=32, D=128, holes=0.05)
-    dev = torch.device("cuda")
-    for f in ("cu_seqlens", "pool_tokens", "pool_doc", "pool_end", "query_doc", "selected_pools"):
-        setattr(feats, f, getattr(feats, f).to(dev))
-    for n, t in vars(leaf).items():
-        cuda_leaf = t.detach().to(dev).requires_grad_(True)
-        setattr(leaf, n, cuda_leaf)
-        setattr(feats, n, cuda_leaf)
-    idx = idx.to(dev)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    q_lat = (torch.randn(1, s, H, R, device=dev, generator=gen) * 0.1).to(dtype)
-    c = torch.randn(1, s, R, device=dev, generator=gen).to(dtype)
-    scale = 192 ** -0.5
-    _, lse = sparse_mla(q_lat, c, idx, scale, return_lse=True)
+    feats, leaf, idx, q_lat, c, scale, lse, kpool, index_topk = released_width_case(dtype)
     got = {}
     for fused in (True, False):
         for t in vars(leaf).values():
