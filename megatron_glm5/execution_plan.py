@@ -258,15 +258,16 @@ def resolve_execution_plan(config, device=None, process_groups=None,
     rows = []
     chosen = {}
 
-    def pick(key: str, auto_value, auto_why: Optional[str]):
-        """The config's value if it sets one, else ``auto_value``; its table row."""
+    def pick(key: str, auto_value, auto_why: Optional[str], fast_runs_as: Optional[str] = None):
+        """The config's value if it sets one, else ``auto_value``; its table row. ``fast_runs_as``: what the fast
+        value, set by flag or config, falls back to where it cannot run here (None: it runs)."""
         fast = FAST_BACKENDS[key]
         value = getattr(config, key, None)
         if value is None:
             value = auto_value
             state = "fast path" if value == fast else f"fallback: {auto_why}"
         elif value == fast:
-            state = "fast path"
+            state = "fast path" if fast_runs_as is None else f"fallback: {fast_runs_as}"
         elif key in fallbacks:
             state = f"fallback: {fallbacks[key]}"
         else:
@@ -303,11 +304,10 @@ def resolve_execution_plan(config, device=None, process_groups=None,
     if not cuda:
         experts = pick("moe_experts_backend", "sequential", fallbacks["moe_experts_backend"])
     else:
+        why = "grouped GEMMs are blocked by " + ", ".join(blocked)
         experts = pick("moe_experts_backend", "sequential" if blocked else "grouped",
-                       "megatron-core's SequentialMLP: grouped GEMMs are blocked by " + ", ".join(blocked))
-        if experts == "grouped" and blocked:  # set by flag or config: GroupedExperts runs SequentialMLP's forward
-            rows[-1] = ("moe_experts_backend", experts, "fallback: GroupedExperts runs megatron-core's SequentialMLP: "
-                        "grouped GEMMs are blocked by " + ", ".join(blocked))
+                       "megatron-core's SequentialMLP: " + why,
+                       "GroupedExperts runs megatron-core's SequentialMLP: " + why if blocked else None)
     # MoE CUDA graphs
     blockers = tuple(moe_graph_blockers(config, sizes))
     value = getattr(config, "moe_cuda_graph", None)
@@ -321,9 +321,7 @@ def resolve_execution_plan(config, device=None, process_groups=None,
         graphs = False
     if not has_moe:
         state = "no MoE layers"
-    elif sequential:
-        state = f"fallback: the MoE layers run eagerly: graphs are blocked by {', '.join(blockers)}"
-    elif graphs and blockers:
+    elif (graphs or sequential) and blockers:
         state = f"fallback: the MoE layers run eagerly: graphs are blocked by {', '.join(blockers)}"
     elif graphs:
         state = "fast path" if cuda else f"fallback: {fallbacks['moe_cuda_graph']}: the MoE layers run eagerly"

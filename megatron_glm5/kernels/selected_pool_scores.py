@@ -29,8 +29,8 @@ the whole ``pool_keys`` is ~2 MB at 16K tokens, so the gathers hit L2), and only
 Precision (:func:`_precision`): on CUDA the scores as three TF32 tensor-core products (``tf32x3``, ~5e-7
 relative), the backward's ``dq`` / ``dkeys`` products as one (``tf32``); exact (``ieee``) on Triton's interpreter.
 Against an exact fp32 computation the logits and ``dweights`` agree to ~5e-7 and ``dq`` / ``dkeys`` to ~1e-3 of
-their norm: a score within rounding of 0 takes the other side of the ReLU (about 50 of the 67M (query, head,
-pool) terms at 4096 queries), which moves a whole term (``tests/test_selected_pool_scores.py``'s GPU test).
+their norm: a score within rounding of 0 takes the other side of the ReLU (a few dozen of the tens of millions of
+(query, head, pool) terms of ``tests/test_selected_pool_scores.py``'s GPU test), which moves a whole term.
 Tiling measured on an H100 at 16K queries (backward 6.9 ms; 32 pools a step, 4 warps, 16 programs per SM).
 
 Tuning left open: ``BLOCK_N`` / warps (:data:`SELECTED_POOL_SCORES_CONFIG`); several queries per program sharing the
@@ -63,7 +63,7 @@ def supported(head_dim: int) -> bool:
 
 
 if HAVE_TRITON:
-    from megatron_glm5.kernels.sparse_mla import _gather_selected, _program_query
+    from megatron_glm5.kernels.sparse_mla import _block_h, _gather_selected, _program_query
 
     @triton.jit
     def _selected_pool_scores_fwd_kernel(Q, K, W, SEL, OUT, s, P, n, H, scale, stride_qt, stride_qh,
@@ -131,10 +131,6 @@ def _precision(t: torch.Tensor, gradient: bool = False) -> str:
     if not t.is_cuda:
         return "ieee"
     return "tf32" if gradient else "tf32x3"
-
-
-def _block_h(H: int) -> int:
-    return max(16, triton.next_power_of_2(H))
 
 
 def _flat(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor, sel: torch.Tensor):

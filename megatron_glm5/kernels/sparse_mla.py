@@ -290,8 +290,11 @@ if HAVE_TRITON:
                 tl.atomic_add(DKV + rows[None, :] * R + offs_r[:, None], dkv_t, mask=ok[None, :], sem="relaxed")
 
 
-def _block_h(H: int, cap: int) -> int:
-    return max(16, min(int(cap), triton.next_power_of_2(H)))
+def _block_h(H: int, cap: int = 0) -> int:
+    """Heads per program: ``H`` padded to a power of two (at least 16, the matrix product's smallest tile), at most
+    ``cap`` (0: no cap)."""
+    padded = triton.next_power_of_2(H)
+    return max(16, min(int(cap), padded) if cap else padded)
 
 
 def _prec(dtype: torch.dtype) -> str:

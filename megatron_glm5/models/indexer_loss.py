@@ -110,7 +110,9 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         lse: ``[b, s, Hl]`` the sparse attention's log-sum-exp over the selection (``sparse_mla(...,
             return_lse=True)``, ``sparse`` only): the probabilities are ``exp(score - lse)`` instead of a softmax
             over the recomputed scores.
-        fused: take the per-pool mass from :mod:`megatron_glm5.kernels.pool_mass` (sparse: only with ``lse``);
+        fused: use the kernels: the dense target's mass from :mod:`megatron_glm5.kernels.pool_mass`; the sparse
+            target (with ``lse``, and an index-head width :mod:`megatron_glm5.kernels.selected_pool_scores` takes)
+            in one pass, mass and logits from the kernels;
             ``None``: on CUDA tensors when the kernels take the shape (:func:`~megatron_glm5.kernels.pool_mass.
             supported`).
 
@@ -123,15 +125,10 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
     kl_total = torch.zeros((), dtype=torch.float32, device=device)
     rows_total = torch.zeros((), dtype=torch.long, device=device)
     fused = _use_kernels(fused, q_lat, kpool)
-    # Two levels of chunks: the target's mass over blocks of queries (the PyTorch code holds per-head [Hl, width] /
-    # [Hl, S] scores per query, the kernels only their [n] output), and the KL over sub-chunks of those, bounded by
-    # the indexer side's per-query [n, D] gathered pool keys and [Hi, n] per-head scores (n candidate pools).
-    Hi, D = feats.q.shape[2], feats.pool_keys.shape[-1]
+    Hi = feats.q.shape[2]
     if sparse:
         n_sel = index_topk // kpool
-        width = topk_indices.shape[-1]
-        fused = fused and lse is not None
-        if fused and selected_pool_scores.supported(D):
+        if fused and lse is not None and selected_pool_scores.supported(feats.pool_keys.shape[-1]):
             # all queries at once: [b, s, n_sel] fp32 mass and logits (32 MB each at 16K), one KL pass
             mass = _tp_sum(pool_mass.sparse_pool_mass(q_lat, kv_lat, topk_indices, lse, attn_scale, kpool,
                                                       n_sel * kpool), tp_group)
@@ -140,27 +137,22 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
             logits = selected_pool_scores.selected_pool_scores(feats.q, feats.pool_keys, feats.weights, sel,
                                                                index_scale)
             return _kl_rows(mass, logits, valid)
-        outer = max(1, chunk_elements // max(1, b * (n_sel if fused else Hl * width)))
-        inner = max(1, chunk_elements // max(1, b * n_sel * max(D, Hi))) if fused else outer
-        for A in range(0, s, outer):
-            E = min(s, A + outer)
-            if fused:
-                block = pool_mass.sparse_pool_mass(q_lat[:, A:E], kv_lat, topk_indices[:, A:E], lse[:, A:E],
-                                                   attn_scale, kpool, n_sel * kpool)
-                block = _tp_sum(block, tp_group)                                    # [b, C, n_sel]
-            else:
-                block = _sparse_pool_mass(q_lat[:, A:E], kv_lat, topk_indices[:, A:E], attn_scale, kpool, n_sel,
-                                          None if lse is None else lse[:, A:E], tp_group)
-            for a in range(A, E, inner):
-                e = min(E, a + inner)
-                sel = feats.selected_pools[:, a:e]
-                valid = (sel >= 0) & _real_rows(feats, a, e, row_length)[None, :, None]
-                logits = _pool_scores_of(feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e],
-                                         sel.clamp(min=0), index_scale)
-                kl, rows = _kl_rows(block[:, a - A:e - A], logits, valid)
-                kl_total, rows_total = kl_total + kl, rows_total + rows
+        chunk = max(1, chunk_elements // max(1, b * Hl * topk_indices.shape[-1]))
+        for a in range(0, s, chunk):
+            e = min(s, a + chunk)
+            mass = _sparse_pool_mass(q_lat[:, a:e], kv_lat, topk_indices[:, a:e], attn_scale, kpool, n_sel,
+                                     None if lse is None else lse[:, a:e], tp_group)
+            sel = feats.selected_pools[:, a:e]
+            valid = (sel >= 0) & _real_rows(feats, a, e, row_length)[None, :, None]
+            logits = _pool_scores_of(feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e], sel.clamp(min=0),
+                                     index_scale)
+            kl, rows = _kl_rows(mass, logits, valid)
+            kl_total, rows_total = kl_total + kl, rows_total + rows
         return kl_total, rows_total
 
+    # dense: two levels of chunks, the target's mass over blocks of queries (the PyTorch code holds per-head
+    # [Hl, S] scores per query, the kernel only its [n] output) and the KL over sub-chunks of those, bounded by the
+    # indexer side's [Hi, n] per-head scores (n candidate pools)
     n_pools = max(1, feats.pool_doc.numel())
     outer = max(1, chunk_elements // max(1, b * (n_pools if fused else max(Hl * S, n_pools * Hi))))
     inner = max(1, chunk_elements // max(1, b * n_pools * Hi)) if fused else outer
