@@ -285,6 +285,35 @@ def test_helper_threads_broken_connections_after_ctrl_c_are_dropped():
     assert printed == ["KeyError: 'peer went away'"], after
 
 
+_CTRL_C_IN_A_FINALIZER = r"""
+import os, signal, sys, time, weakref
+from megatron_glm5.training import entry
+entry._quiet_threads_after_ctrl_c()
+
+class Held:
+    pass
+
+held = Held()
+ref = weakref.ref(held, lambda _: os.kill(os.getpid(), signal.SIGINT))  # Ctrl-C while a weakref callback runs
+try:
+    del held
+    for _ in range(200):
+        time.sleep(0.01)
+    print("trained on")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_ctrl_c_during_a_finalizer_still_interrupts():
+    """A SIGINT that lands while the main thread runs a weakref callback (Python drops the KeyboardInterrupt raised
+    there as "Exception ignored") still interrupts the main code, and prints nothing."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
+    run = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_FINALIZER], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "interrupted\n", "")
+
+
 @pytest.mark.parametrize("marker", [
     None,                                                  # start-up: imports
     pytest.param("> initializing torch distributed", marks=pytest.mark.slow),

@@ -60,7 +60,11 @@ def _quiet_threads_after_ctrl_c() -> None:
     their tensors over reports ``BrokenPipeError`` / ``ConnectionResetError`` / ``EOFError`` through
     ``sys.excepthook`` (other threads through ``threading.excepthook``). Those three are dropped when a SIGINT arrives
     (see :func:`_after_ctrl_c`); anything else is printed as before. Python's own SIGINT handling
-    (KeyboardInterrupt in the main thread) is kept. Forked data-loader workers inherit the hooks and the handler."""
+    (KeyboardInterrupt in the main thread) is kept. Forked data-loader workers inherit the hooks and the handler.
+
+    A SIGINT that lands while the main thread runs a finalizer (a weakref callback, a ``__del__``) raises its
+    KeyboardInterrupt there, where Python prints it as "Exception ignored" and drops it: the run would go on. Such a
+    dropped interrupt is delivered again (:func:`_deliver_dropped_interrupt`) once the finalizer has returned."""
     import signal
     import sys
     import threading
@@ -85,10 +89,37 @@ def _quiet_threads_after_ctrl_c() -> None:
         if not _after_ctrl_c(args.exc_type):
             thread_hook(args)
 
+    unraisable_hook = sys.unraisablehook
+
+    def sys_unraisablehook(unraisable):
+        if (issubclass(unraisable.exc_type, KeyboardInterrupt) and _CTRL_C["seen"]
+                and threading.current_thread() is threading.main_thread()):
+            _deliver_dropped_interrupt()
+        else:
+            unraisable_hook(unraisable)
+
     sys_excepthook.glm5_ctrl_c = True
     signal.signal(signal.SIGINT, on_sigint)
     sys.excepthook = sys_excepthook
     threading.excepthook = thread_excepthook
+    sys.unraisablehook = sys_unraisablehook
+
+
+# how long after a finalizer dropped a Ctrl-C it is delivered again: the finalizer has returned by then
+_REDELIVER_AFTER_S = 0.05
+
+
+def _deliver_dropped_interrupt() -> None:
+    """Deliver a KeyboardInterrupt that a finalizer dropped to the main thread again, from a timer thread: the hook
+    that saw it runs inside the finalizer, where a new one would be dropped the same way. One that lands in another
+    finalizer comes back here and is delivered once more."""
+    import _thread
+    import signal
+    import threading
+
+    timer = threading.Timer(_REDELIVER_AFTER_S, _thread.interrupt_main, args=(signal.SIGINT,))
+    timer.daemon = True
+    timer.start()
 
 
 def _last_checkpoint(save: Optional[str]) -> str:
