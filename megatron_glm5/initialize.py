@@ -22,8 +22,10 @@ def install_patches() -> None:
     from the checkpoint (:func:`megatron_glm5.checkpoint.safe_load.install_dcp_read_guards`; another release is
     refused with one line, :class:`~megatron_glm5.mcore_version.UnsupportedMegatronCore`), the fixes of
     :mod:`megatron_glm5.mcore_fixes` and the MoE token permutation of :mod:`megatron_glm5.models.token_permutation`
-    in megatron-core's dispatchers (outside their releases left out, said in one line on stderr)."""
-    from megatron_glm5 import mcore_version
+    in megatron-core's dispatchers (outside their releases left out, said in one line on stderr), and the torch
+    versions of the Apex / Transformer Engine calls megatron-core falls back from (:mod:`megatron_glm5.mcore_extensions`:
+    multi-tensor norm and scale, gradient-accumulation fusion)."""
+    from megatron_glm5 import mcore_extensions, mcore_version
     from megatron_glm5.checkpoint.safe_load import install_dcp_read_guards
     from megatron_glm5.mcore_fixes import AFFECTED_VERSIONS, apply_mcore_fixes
     from megatron_glm5.models import token_permutation
@@ -36,6 +38,7 @@ def install_patches() -> None:
     if mcore_version.skip_notice(token_permutation.SUPPORTED_VERSIONS,
                                  "the MoE token permutation (models/token_permutation.py)"):
         token_permutation.install()
+    mcore_extensions.install()
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,

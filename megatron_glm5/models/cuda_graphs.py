@@ -278,12 +278,20 @@ class GraphedModule:
     one is noticed). ``module`` itself gives the training flag.
 
     Not a ``nn.Module`` on purpose: it owns no parameters (``module``'s stay where they are, in its state dict).
+
+    The linears of the graphed parts run without megatron-core's gradient-accumulation fusion: it writes into the
+    parameters' ``main_grad`` itself, which the captured backward (gradients of parameter views) cannot; their
+    gradients reach ``main_grad`` through DDP's hook, as in eager mode without the fusion.
     """
 
     def __init__(self, module: torch.nn.Module, fn: Callable, max_graphs: int = 2, warmup: int = 2,
                  parts: Sequence[str] = ()):
         self.module, self.fn = module, fn
         self.part_names = tuple(parts)
+        for part in self.parts():
+            for sub in part.modules():
+                if getattr(sub, "gradient_accumulation_fusion", False):
+                    sub.gradient_accumulation_fusion = False
         self.max_graphs, self.warmup = max_graphs, warmup
         self.graphs: Dict[tuple, _CapturedGraphs] = {}
         self.eager_calls = 0

@@ -18,7 +18,9 @@ class ReplicatedLinear(torch.nn.Linear):
     """A bias-free ``torch.nn.Linear`` replicated over tensor parallelism (``y = x W^T``; ``weight [out, in]``).
 
     Built like a megatron linear (``config``, ``init_method``) so it can sit in a ``ModuleSpec``. Returns a tensor,
-    not an ``(output, bias)`` tuple.
+    not an ``(output, bias)`` tuple. With ``config.gradient_accumulation_fusion`` and a weight wrapped by megatron's
+    DDP (it has ``main_grad``) it runs megatron-core's linear function, whose backward accumulates the weight gradient
+    into ``main_grad`` as megatron-core's own linears do (:mod:`megatron_glm5.mcore_extensions`).
     """
 
     def __init__(self, input_size: int, output_size: int, *, config=None, init_method: Optional[Callable] = None,
@@ -33,4 +35,15 @@ class ReplicatedLinear(torch.nn.Linear):
                 init_method(self.weight)
                 if self.bias is not None:
                     self.bias.zero_()
+        self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         mark_replicated(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]``."""
+        if self.gradient_accumulation_fusion and hasattr(self.weight, "main_grad") and x.dim() in (2, 3):
+            from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+            return linear_with_grad_accumulation_and_async_allreduce(
+                x, self.weight, self.bias, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+                sequence_parallel=False)
+        return super().forward(x)

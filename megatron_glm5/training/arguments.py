@@ -746,6 +746,8 @@ def model_config_from_args(args, device: str):
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
+        # Megatron-LM's --no-gradient-accumulation-fusion; the fused GEMM is megatron_glm5.mcore_extensions'
+        gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)) and device == "cuda",
         params_dtype=torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_cpu_initialization=(device == "cpu") or args.use_cpu_initialization,

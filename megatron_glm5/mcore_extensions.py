@@ -1,0 +1,115 @@
+"""The Apex / Transformer Engine extension calls megatron-core makes when one of them is installed, written on
+torch, for the machines that have neither (this project's: it uses megatron-core's local modules).
+
+Without them megatron-core falls back to per-tensor Python loops that also stop the GPU:
+
+* **Multi-tensor L2 norm** (``get_grad_norm_fp32`` for ``--clip-grad`` and the logged grad norm, Megatron-LM's
+  params norm): ``local_multi_tensor_l2_norm`` takes one ``torch.norm`` per tensor and collects them with
+  ``torch.tensor(list)``, which copies each norm to the host, a GPU synchronisation per parameter tensor.
+  :func:`multi_tensor_l2norm` computes them with one ``torch._foreach_norm`` and their norm on the device (the
+  caller's single ``.item()`` remains).
+* **Multi-tensor scale** (clipping the gradients, copying main weights to model weights): ``dst.copy_(src *
+  scale)`` per tensor; :func:`multi_tensor_scale` is ``torch._foreach_mul_`` / ``_foreach_copy_``.
+* **Gradient-accumulation fusion** (``config.gradient_accumulation_fusion``, Megatron-LM's default, off with
+  ``--no-gradient-accumulation-fusion``): megatron-core's linears then accumulate their weight gradient straight
+  into DDP's fp32 ``main_grad`` instead of writing a bf16 ``.grad`` that DDP's hook adds to ``main_grad`` (an
+  element-wise pass over every weight, every micro-batch). :func:`wgrad_gemm_accum_fp32` is that GEMM with an fp32
+  output accumulated in place (cuBLAS, ``torch.addmm(..., out_dtype=torch.float32)``), so the weight gradient is
+  also summed without rounding it to bf16 first.
+
+:func:`install` points megatron-core at them (only where it fell back to its local loops: an installed Apex or
+Transformer Engine keeps its own); :func:`megatron_glm5.initialize.install_patches` calls it. The results equal the
+local loops' up to the order of fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+
+def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]],
+                        per_tensor: bool, *args) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``amp_C.multi_tensor_l2norm``'s contract: ``(norm [1] fp32, per-tensor norms [n] fp32 or None)``, the L2 norm
+    of every tensor of ``tensor_lists[0]`` taken together, on their device (no host synchronisation)."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        device = noop_flag.device if isinstance(noop_flag, torch.Tensor) else None
+        zero = torch.zeros(1, dtype=torch.float32, device=device)
+        return zero, (zero[:0] if per_tensor else None)
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))           # [n]
+    total = torch.linalg.vector_norm(norms).reshape(1)
+    return total, (norms if per_tensor else None)
+
+
+def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]],
+                       scale: float) -> None:
+    """``amp_C.multi_tensor_scale``'s contract: ``dst = src * scale`` for each pair of ``tensor_lists[0]`` (src) and
+    ``tensor_lists[1]`` (dst), the product taken in src's dtype and cast to dst's."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad [out, in] (fp32) += grad_output^T @ total_input``, ``grad_output [n, out]``, ``total_input
+    [n, in]`` (the contract of Apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``). 16-bit inputs on
+    CUDA: one cuBLAS GEMM with fp32 accumulation and output, added to ``main_grad`` in place."""
+    if total_input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), total_input)
+    elif main_grad.is_cuda:
+        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
+    else:  # no mixed-dtype GEMM on the CPU: the product in fp32
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+
+def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """:func:`wgrad_gemm_accum_fp32` for a 16-bit ``main_grad`` (``--accumulate-allreduce-grads-in-fp32`` off)."""
+    main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+
+class FusedWeightGradientMlp:
+    """Stands for Apex's ``fused_weight_gradient_mlp_cuda`` module in megatron-core's linears."""
+
+    wgrad_gemm_accum_fp32 = staticmethod(wgrad_gemm_accum_fp32)
+    wgrad_gemm_accum_fp16 = staticmethod(wgrad_gemm_accum_fp16)
+
+
+def install() -> List[str]:
+    """Point megatron-core's fallbacks at this module's functions; returns what was replaced (idempotent; an Apex or
+    Transformer Engine implementation megatron-core found is left alone)."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.tensor_parallel import layers
+
+    replaced = []
+    if getattr(clip_grads, "l2_norm_impl", None) in (mcore_utils.local_multi_tensor_l2_norm, multi_tensor_l2norm):
+        clip_grads.l2_norm_impl = multi_tensor_l2norm
+        replaced.append("multi_tensor_l2norm")
+    for module in (clip_grads, mcore_optimizer):
+        if getattr(module, "multi_tensor_scale_impl", None) in (mcore_utils.local_multi_tensor_scale,
+                                                                multi_tensor_scale):
+            module.multi_tensor_scale_impl = multi_tensor_scale
+            replaced.append(f"{module.__name__}.multi_tensor_scale")
+    try:
+        from megatron.training.utils import common_utils
+    except ImportError:  # megatron-core without megatron.training
+        common_utils = None
+    if common_utils is not None and getattr(common_utils, "multi_tensor_l2norm", None) in (
+            mcore_utils.local_multi_tensor_l2_norm, multi_tensor_l2norm):
+        common_utils.multi_tensor_l2norm = multi_tensor_l2norm
+        replaced.append("megatron.training multi_tensor_l2norm")
+    if not layers._grad_accum_fusion_available or getattr(layers, "fused_weight_gradient_mlp_cuda", None) is \
+            FusedWeightGradientMlp:
+        layers.fused_weight_gradient_mlp_cuda = FusedWeightGradientMlp
+        layers._grad_accum_fusion_available = True
+        replaced.append("fused_weight_gradient_mlp_cuda")
+    return replaced

@@ -1,0 +1,114 @@
+"""megatron_glm5.mcore_extensions: the torch versions of the Apex / Transformer Engine calls megatron-core makes,
+against plain per-tensor arithmetic, and megatron-core's linear with gradient-accumulation fusion against autograd's
+weight gradient added to ``main_grad``."""
+
+import pytest
+import torch
+
+from megatron_glm5 import mcore_extensions as ext
+
+
+def _tensors(dtypes=(torch.float32, torch.float32, torch.bfloat16)):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (13,), (3, 4, 2)]
+    return [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
+
+
+def test_l2norm_is_the_norm_of_all_tensors_together():
+    tensors = _tensors()
+    total, per = ext.multi_tensor_l2norm(2048, torch.zeros(1, dtype=torch.int), [tensors], True)
+    flat = torch.cat([t.double().flatten() for t in tensors])
+    assert total.shape == (1,) and total.dtype == torch.float32
+    assert abs(total.item() - flat.norm().item()) <= 1e-6 * flat.norm().item()
+    assert torch.allclose(per.double(), torch.stack([t.double().norm() for t in tensors]), rtol=1e-6)
+    empty, none = ext.multi_tensor_l2norm(2048, torch.zeros(1, dtype=torch.int), [[]], False)
+    assert empty.tolist() == [0.0] and none is None
+
+
+def test_scale_in_place_and_into_other_tensors():
+    src = _tensors()
+    want = [t * 0.25 for t in src]
+    ext.multi_tensor_scale(2048, None, [src, src], 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(src, want))
+    dst = [torch.zeros_like(t, dtype=torch.bfloat16) for t in src]
+    ext.multi_tensor_scale(2048, None, [src, dst], 2.0)
+    assert all(torch.equal(d, (s * 2.0).to(torch.bfloat16)) for s, d in zip(src, dst))
+    ext.multi_tensor_scale(2048, None, [src, dst], 1.0)
+    assert all(torch.equal(d, s.to(torch.bfloat16)) for s, d in zip(src, dst))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_accumulates_into_fp32_main_grad(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x, g = torch.randn(24, 6, generator=gen).to(dtype), torch.randn(24, 5, generator=gen).to(dtype)
+    main_grad = torch.randn(5, 6, generator=gen)
+    want = main_grad.double() + g.double().t() @ x.double()
+    ext.wgrad_gemm_accum_fp32(x, g, main_grad)
+    assert main_grad.dtype == torch.float32
+    assert (main_grad.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_install_points_megatron_core_at_them():
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.tensor_parallel import layers
+
+    ext.install()  # idempotent: conftest's install_patches already ran it
+    assert clip_grads.l2_norm_impl is ext.multi_tensor_l2norm
+    assert clip_grads.multi_tensor_scale_impl is ext.multi_tensor_scale
+    assert mcore_optimizer.multi_tensor_scale_impl is ext.multi_tensor_scale
+    assert layers._grad_accum_fusion_available and layers.fused_weight_gradient_mlp_cuda is ext.FusedWeightGradientMlp
+
+
+def test_grad_norm_and_clipping_through_megatron_core(mcore):
+    """megatron-core's get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 on these functions give the norm of all
+    gradients and scale them by max_norm / norm."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+
+    params = [torch.nn.Parameter(t.float()) for t in _tensors()]
+    for p, g in zip(params, _tensors()):
+        p.grad = g.float() * 3
+    want = torch.cat([p.grad.double().flatten() for p in params]).norm().item()
+    norm = get_grad_norm_fp32([p.grad for p in params], grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+    assert abs(norm - want) <= 1e-6 * want
+    before = [p.grad.clone() for p in params]
+    clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+    assert all(torch.allclose(p.grad, b * (1.0 / (norm + 1e-6)), rtol=1e-6) for p, b in zip(params, before))
+
+
+def test_fused_linear_backward_accumulates_into_main_grad():
+    """megatron-core's linear with gradient_accumulation_fusion on (as in the trainer on CUDA) adds the weight
+    gradient of two micro-batches to main_grad and leaves the dgrad as autograd's."""
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(5, 6, generator=gen))
+    weight.main_grad = torch.zeros(5, 6)
+    xs = [torch.randn(4, 3, 6, generator=gen, requires_grad=True) for _ in range(2)]
+    for x in xs:
+        y = linear_with_grad_accumulation_and_async_allreduce(x, weight, None, gradient_accumulation_fusion=True,
+                                                              allreduce_dgrad=False, sequence_parallel=False)
+        (y * y).sum().backward()
+    ref_w = torch.nn.Parameter(weight.detach().clone())
+    ref_xs = [x.detach().clone().requires_grad_(True) for x in xs]
+    for x in ref_xs:
+        (torch.nn.functional.linear(x, ref_w) ** 2).sum().backward()
+    assert torch.allclose(weight.main_grad, ref_w.grad, rtol=1e-5, atol=1e-6)
+    assert all(torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7) for a, b in zip(xs, ref_xs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_wgrad_bf16_on_cuda_is_one_fp32_gemm_in_place_gpu():
+    """bf16 inputs on CUDA: main_grad += g^T x with fp32 accumulation and output, in place (same storage)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4096, 1024, device="cuda", generator=gen).bfloat16()
+    g = torch.randn(4096, 768, device="cuda", generator=gen).bfloat16()
+    main_grad = torch.randn(768, 1024, device="cuda", generator=gen)
+    ptr = main_grad.data_ptr()
+    want = main_grad.double() + g.double().t() @ x.double()
+    ext.wgrad_gemm_accum_fp32(x, g, main_grad)
+    assert main_grad.data_ptr() == ptr
+    err = (main_grad.double() - want).abs().max().item() / want.abs().max().item()
+    assert err <= 1e-5, err  # fp32 accumulation (a bf16 output would be ~4e-3)
