@@ -75,6 +75,16 @@ def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, 
     main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
 
 
+def describe_fusion(model_chunks) -> str:
+    """One start-up line: how many linears accumulate their weight gradient into ``main_grad`` (fusion on) and how
+    many leave it to DDP's hook (fusion off for them: those inside MoE CUDA graphs)."""
+    flags = [m.gradient_accumulation_fusion for chunk in model_chunks for m in chunk.modules()
+             if isinstance(getattr(m, "gradient_accumulation_fusion", None), bool) and
+             isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
+    return (f"gradient-accumulation fusion: {sum(flags)} linears add their weight gradient into main_grad in the "
+            f"GEMM, {len(flags) - sum(flags)} through DDP's hook (inside MoE CUDA graphs)")
+
+
 class FusedWeightGradientMlp:
     """Stands for Apex's ``fused_weight_gradient_mlp_cuda`` module in megatron-core's linears."""
 

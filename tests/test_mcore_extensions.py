@@ -112,3 +112,22 @@ def test_wgrad_bf16_on_cuda_is_one_fp32_gemm_in_place_gpu():
     assert main_grad.data_ptr() == ptr
     err = (main_grad.double() - want).abs().max().item() / want.abs().max().item()
     assert err <= 1e-5, err  # fp32 accumulation (a bf16 output would be ~4e-3)
+
+
+def test_graphed_parts_run_without_the_fusion_and_the_start_up_line_counts_them():
+    """Linears inside a GraphedModule's parts leave their gradient to DDP's hook (the captured backward takes
+    gradients of parameter views, which have no main_grad); the start-up line counts both kinds."""
+    from megatron_glm5.models.cuda_graphs import GraphedModule
+
+    def linear():
+        lin = torch.nn.Linear(4, 4, bias=False)
+        lin.gradient_accumulation_fusion = True
+        return lin
+
+    layer = torch.nn.Module()
+    layer.attn, layer.mlp = torch.nn.Sequential(linear(), linear()), torch.nn.Sequential(linear())
+    GraphedModule(layer, lambda x: layer.mlp(x), parts=("mlp",))
+    assert [m.gradient_accumulation_fusion for m in layer.modules() if hasattr(m, "gradient_accumulation_fusion")] \
+        == [True, True, False]
+    assert ext.describe_fusion([layer]).startswith(
+        "gradient-accumulation fusion: 2 linears add their weight gradient into main_grad in the GEMM, 1 through")

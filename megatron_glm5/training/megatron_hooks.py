@@ -124,6 +124,12 @@ def _glm5_get_megatron_optimizer(upstream):
             from megatron.training.utils import print_rank_0
 
             print_rank_0(f"--torch-fused-adam: {use_torch_fused_adam(optimizer)} param groups run torch's fused Adam")
+        if args.gradient_accumulation_fusion:
+            from megatron.training.utils import print_rank_0
+
+            from megatron_glm5.mcore_extensions import describe_fusion
+
+            print_rank_0(describe_fusion(model_chunks))
         return _skip_nonfinite_steps(optimizer, args.max_consecutive_skipped_iterations)
 
     get_megatron_optimizer.glm5_hook = True
