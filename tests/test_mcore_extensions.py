@@ -131,3 +131,31 @@ def test_graphed_parts_run_without_the_fusion_and_the_start_up_line_counts_them(
         == [True, True, False]
     assert ext.describe_fusion([layer]).startswith(
         "gradient-accumulation fusion: 2 linears add their weight gradient into main_grad in the GEMM, 1 through")
+
+
+def test_embedding_gradient_goes_into_main_grad(mcore):
+    """The word embedding under the fusion: two micro batches' rows (repeated ids included) are added to main_grad
+    in fp32, equal to autograd's dense gradient; the forward is megatron-core's."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    from megatron_glm5.config import tiny_config
+    from megatron_glm5.models.embedding_grad import FusedGradVocabEmbedding, fuse_embedding_grad
+
+    cfg = tiny_config()
+    emb = VocabParallelEmbedding(50, 8, init_method=torch.nn.init.normal_, config=cfg,
+                                 tp_group=parallel_state.get_tensor_model_parallel_group())
+    ref = torch.nn.Parameter(emb.weight.detach().clone())
+    fuse_embedding_grad(emb)
+    assert isinstance(emb, FusedGradVocabEmbedding) and list(emb.state_dict()) == ["weight"]
+    emb.weight.main_grad, emb.weight.grad_added_to_main_grad = torch.zeros(50, 8), False
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 50, (2, 9), generator=gen) for _ in range(2)]
+    batches[0][0, :3] = 7  # a row used several times
+    for ids in batches:
+        out = emb(ids)
+        assert torch.equal(out, torch.nn.functional.embedding(ids, ref))
+        (out ** 2).sum().backward()
+        (torch.nn.functional.embedding(ids, ref) ** 2).sum().backward()
+    assert emb.weight.grad_added_to_main_grad
+    assert torch.allclose(emb.weight.main_grad, ref.grad, rtol=1e-6, atol=1e-7)

@@ -139,6 +139,10 @@ class Glm5Model(LanguageModule):
                                                     max_sequence_length=max_sequence_length,
                                                     position_embedding_type="none",
                                                     scatter_to_sequence_parallel=False, tp_group=self.tp_group)
+            if config.gradient_accumulation_fusion:
+                from megatron_glm5.models.embedding_grad import fuse_embedding_grad
+
+                fuse_embedding_grad(self.embedding.word_embeddings)
         if pre_process and config.vision is not None:
             from megatron_glm5.models.vision import Glm5VisionModel
 
