@@ -202,6 +202,81 @@ def test_attention_matches_hf_per_document(mcore, backend, over, antithetic, len
     print(f"[{backend} {over or 'tiny'}] fwd rel err {err:.2e}, worst grad rel L2 {worst:.2e}")
 
 
+def test_dense_prefix_layout_lists_each_documents_leading_positions():
+    lay = kpool_dsa.dense_prefix_layout([0, 3, 10, 12], prefix=4)
+    assert lay.docs_padded == [[0, 1, 2, 2], [3, 4, 5, 6], [10, 11, 11, 11]]
+    assert lay.valid_flat == [0, 1, 2, 4, 5, 6, 7, 8, 9] and lay.dense == [0, 1, 2, 3, 4, 5, 6, 10, 11]
+    assert lay.rest == [7, 8, 9]
+    one = kpool_dsa.dense_prefix_layout([0, 9], prefix=4)
+    assert one.docs_padded == [[0, 1, 2, 3]] and one.rest == list(range(4, 9))
+    assert kpool_dsa.dense_prefix_layout([0, 9], prefix=0) is None
+
+
+@pytest.mark.parametrize("over,lens", [
+    ({}, [5, 11, 12, 30, 3]),                                    # tiny: topk 8, kpool 4 -> prefix 11
+    ({**SMALL_K8, "index_kpool_always_select_tail": True}, [23, 40, 9]),    # topk 16, kpool 8 -> prefix 23
+])
+def test_dense_prefix_queries_select_every_earlier_position(mcore, over, lens):
+    """The premise of the fused backend's dense prefix: with the tail always selected, each document's first
+    dense_prefix_length() queries select exactly every position of their document up to themselves, and the next
+    query does not (it is the first that drops a pool)."""
+    torch.manual_seed(5)
+    cfg, _ = _configs(backend="sparse", **over)
+    ours = _build(cfg, layer_number=2)
+    _randomize_attention(ours, antithetic=True)
+    cu, bounds = _doc_bounds(lens)
+    x = torch.randn(int(cu[-1]), 1, cfg.hidden_size)
+    _, topk = ours(x, packed_seq_params=make_packed_seq_params(cu))
+    prefix = ours.dense_prefix_length()
+    assert prefix == cfg.index_topk + cfg.index_kpool - 1
+    for a, e in bounds:
+        for i in range(a, e):
+            assert (_sets(topk[0, i]) == set(range(a, i + 1))) == (i - a < prefix), i
+
+
+@pytest.mark.parametrize("lens,b", [([5, 11, 12, 30, 3], 1), ([40], 1), ([7], 1), (None, 2)])
+def test_fused_backend_dense_prefix_equals_the_reference(mcore, monkeypatch, lens, b):
+    """The 'fused' backend's split (dense causal attention for each document's leading queries, the sparse path for
+    the rest) gives the masked dense reference's output and gradients: packed rows with documents shorter and longer
+    than the prefix, one long document, one short one, and an unpacked batch. The sparse kernel's own part is
+    stood in for by the 'sparse' backend (same contract; the kernel has its own tests)."""
+    torch.manual_seed(6)
+    cfg, _ = _configs(backend="torch")
+    ref = _build(cfg, layer_number=2)
+    _randomize_attention(ref, antithetic=True)
+    fused = _build(cfg, layer_number=2)
+    fused.load_state_dict(ref.state_dict())
+    fused.backend = "fused"
+    calls = []
+
+    def sparse_stand_in(q, kv_lat, topk_indices, return_lse=False):
+        calls.append(q.shape[0])
+        return fused._attention_sparse(q, kv_lat, topk_indices)
+
+    monkeypatch.setattr(fused, "_attention_fused_all", sparse_stand_in)
+    if lens is None:
+        s, psp = 29, None
+    else:
+        cu, _ = _doc_bounds(lens)
+        s, psp = int(cu[-1]), make_packed_seq_params(cu)
+    x = torch.randn(s, b, cfg.hidden_size)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    outs = [m(xi, packed_seq_params=psp)[0] for m, xi in zip((ref, fused), xs)]
+    prefix = fused.dense_prefix_length()
+    bounds = [0, s] if lens is None else cu.tolist()
+    n_dense = sum(min(e - a, prefix) for a, e in zip(bounds[:-1], bounds[1:]))
+    assert calls == ([s - n_dense] if s > n_dense else [])
+    err = (outs[1] - outs[0]).abs().max().item() / outs[0].abs().max().item()
+    assert err <= 1e-5, err
+    g = torch.randn_like(outs[0])
+    for o in outs:
+        (o * g).sum().backward()
+    assert (xs[1].grad - xs[0].grad).norm() / xs[0].grad.norm() <= 1e-5
+    for (name, p), q in zip(fused.named_parameters(), ref.parameters()):
+        if p.grad is not None or q.grad is not None:
+            assert (p.grad - q.grad).norm() / q.grad.norm() <= 1e-5, name
+
+
 @pytest.mark.parametrize("backend", ["torch", "sparse"])
 def test_attention_unpacked_batch_matches_hf_sdpa(mcore, backend):
     torch.manual_seed(2)

@@ -22,7 +22,11 @@ Three backends (the execution plan's ``dsa_backend``) compute the same ``o``:
   for more than one chunk.
 * ``'fused'`` (the GPU fast path): the same absorbed form with the attention over the selected latents in one
   Triton kernel, forward and backward (``megatron_glm5/kernels/sparse_mla.py``); linear memory. It relies on the
-  indexer's selections being duplicate-free (selected pools and the tail are disjoint).
+  indexer's selections being duplicate-free (selected pools and the tail are disjoint). Queries whose causal span
+  fits the selection (the first ``index_topk + kpool - 1`` positions of each document, with
+  ``index_kpool_always_select_tail``: every complete pool before them is selected, and the tail holds the rest)
+  attend to every earlier position of their document, so they run as dense causal attention instead
+  (:func:`dense_prefix_layout`; torch's fused SDPA over the expanded K/V): the same result, without gathering.
 
 Packed rows (``b = 1`` + ``PackedSeqParams``) need nothing beyond the indexer: it only selects positions of the
 query's own document, so queries never attend across documents. Queries with an empty selection (possible only
@@ -118,6 +122,37 @@ def fused_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 def dense_attention_fallback() -> Optional[str]:
     """Why :func:`fused_masked_attention` fell back on CUDA in this process (None: it has not)."""
     return _dense_fallback_reason
+
+
+@dataclass
+class DensePrefixLayout:
+    """Which queries of a row run as dense causal attention (:meth:`Glm5DSAttention._attention_dense_prefix`), as
+    host lists of row positions: ``docs_padded [n][d]`` each document's leading positions (``d`` = the longest
+    such prefix; a shorter one is padded at its end with its last position, whose outputs are dropped and which,
+    as keys, come after every real query of its row), ``valid_flat`` the indices into the flattened ``[n * d]``
+    that are real, ``dense`` those positions in that order, ``rest`` the other positions (ascending)."""
+
+    docs_padded: list
+    valid_flat: list
+    dense: list
+    rest: list
+
+
+def dense_prefix_layout(bounds: list, prefix: int) -> Optional[DensePrefixLayout]:
+    """The :class:`DensePrefixLayout` of a row with document boundaries ``bounds`` (``[0, ..., s]``, host ints) where
+    each document's first ``prefix`` positions attend densely; None when no query would."""
+    spans = [(a, min(e, a + prefix)) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]
+    if not spans or prefix <= 0:
+        return None
+    d = max(e - a for a, e in spans)
+    docs_padded, valid_flat, dense = [], [], []
+    for i, (a, e) in enumerate(spans):
+        docs_padded.append(list(range(a, e)) + [e - 1] * (d - (e - a)))
+        valid_flat.extend(range(i * d, i * d + e - a))
+        dense.extend(range(a, e))
+    in_dense = set(dense)
+    rest = [p for p in range(bounds[-1]) if p not in in_dense]
+    return DensePrefixLayout(docs_padded, valid_flat, dense, rest)
 
 
 @dataclass
@@ -334,12 +369,73 @@ class Glm5DSAttention(MegatronModule):
                                     self.softmax_scale, query_chunk=self.sparse_query_chunk)
         return out.transpose(0, 1)
 
-    def _attention_fused(self, q, kv_lat, topk_indices, return_lse: bool = False):
+    def dense_prefix_length(self) -> int:
+        """How many leading positions of every document attend to all earlier positions of it under the indexer's
+        selection: ``index_topk + kpool - 1`` with ``index_kpool_always_select_tail`` (a query at document position
+        ``i`` has ``(i + 1) // kpool <= index_topk / kpool`` complete pools before it, all selected, and the tail
+        covers the rest up to itself); 0 without the tail."""
+        if not self.config.index_kpool_always_select_tail:
+            return 0
+        return self.config.index_topk + self.config.index_kpool - 1
+
+    def _attention_fused(self, q, kv_lat, topk_indices, return_lse: bool = False, packed_seq_params=None):
         """'fused' backend: :meth:`_attention_sparse`'s absorbed form with the Triton sparse MLA kernel. Same
-        shapes. The indexer's tail slots (the last ``kpool - 1``) are moved to the front so that every row's valid
-        slots end early and the kernel skips the unused pool slots of short contexts. ``return_lse``: ``(out, lse,
-        q_lat)``, also the kernel's log-sum-exp ``[b, s, Hl]`` and the absorbed queries ``[b, s, Hl, r]`` (for the
-        sparse indexer loss)."""
+        shapes. Without ``return_lse`` and context parallelism, each document's first :meth:`dense_prefix_length`
+        queries run as dense causal attention (:meth:`_attention_dense_prefix`, the same result) and only the
+        others through the kernel (:meth:`_attention_fused_all`). ``return_lse``: ``(out, lse, q_lat)``, also the
+        kernel's log-sum-exp ``[b, s, Hl]`` and the absorbed queries ``[b, s, Hl, r]`` (for the sparse indexer
+        loss), every query through the kernel."""
+        prefix = self.dense_prefix_length()
+        if not return_lse and prefix > 0 and get_pg_size(self.cp_group) == 1:
+            from megatron_glm5.models.packing import row_boundaries
+
+            layout = dense_prefix_layout(row_boundaries(packed_seq_params, q.shape[0]), prefix)
+            if layout is not None:
+                return self._attention_dense_prefix(q, kv_lat, topk_indices, layout)
+        return self._attention_fused_all(q, kv_lat, topk_indices, return_lse)
+
+    def _attention_dense_prefix(self, q, kv_lat, topk_indices, layout: "DensePrefixLayout"):
+        """:meth:`_attention_fused` with the queries of ``layout.dense`` (every document's leading positions) as
+        dense causal attention (:meth:`_dense_causal`, documents as batch rows) and the rest through the sparse
+        kernel. ``q [s, b, Hl, dq]``, ``kv_lat [s, b, r]``, ``topk_indices [b, s, w]`` -> ``[s, b, Hl, dv]``. A row
+        that is one document takes slices; a packed row gathers its documents' prefixes."""
+        from megatron_glm5.models.packing import to_device_async
+
+        s = q.shape[0]
+        if len(layout.docs_padded) == 1:                               # one document: positions [0, p) are dense
+            p = len(layout.dense)
+            o_dense = self._dense_causal(q[:p].unsqueeze(0), kv_lat[:p].unsqueeze(0))[0]
+            if p == s:
+                return o_dense
+            o_rest = self._attention_fused_all(q[p:], kv_lat, topk_indices[:, p:].contiguous())
+            return torch.cat([o_dense, o_rest], dim=0)
+        idx, valid, dense_pos, rest_pos = (
+            to_device_async(torch.tensor(v, dtype=torch.long), q.device)
+            for v in (layout.docs_padded, layout.valid_flat, layout.dense, layout.rest or [0]))
+        o = self._dense_causal(q[idx], kv_lat[idx])                                 # [n, d, b, Hl, dv]
+        out = o.new_zeros(s, *o.shape[2:]).index_copy(0, dense_pos, o.flatten(0, 1)[valid])
+        if not layout.rest:
+            return out
+        o_rest = self._attention_fused_all(q[rest_pos], kv_lat, topk_indices[:, rest_pos].contiguous())
+        return out.index_copy(0, rest_pos, o_rest)
+
+    def _dense_causal(self, q, kv_lat):
+        """Causal attention within each of ``n`` documents: ``q [n, d, b, Hl, dq]``, ``kv_lat [n, d, b, r]`` ->
+        ``[n, d, b, Hl, dv]``, K/V expanded by ``kv_b_proj``, torch's SDPA over ``n * b`` rows (a fused kernel on
+        CUDA)."""
+        n, d, b, heads = q.shape[:4]
+        kv = linear_output(self.kv_b_proj(kv_lat.reshape(n * d, b, -1)))             # [n*d, b, Hl*(dq+dv)]
+        k, v = torch.split(kv.view(n, d, b, heads, self.qk_head_dim + self.v_head_dim),
+                          [self.qk_head_dim, self.v_head_dim], dim=-1)
+        rows = lambda t: t.permute(0, 2, 3, 1, 4).flatten(0, 1)                      # noqa: E731 [n*b, Hl, d, .]
+        o = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, scale=self.softmax_scale)
+        return o.unflatten(0, (n, b)).permute(0, 3, 1, 2, 4)                         # [n, d, b, Hl, dv]
+
+    def _attention_fused_all(self, q, kv_lat, topk_indices, return_lse: bool = False):
+        """Every query of ``q [c, b, Hl, dq]`` through the sparse kernel; ``topk_indices [b, c, w]`` are positions
+        of ``kv_lat [t, b, r]`` -> ``[c, b, Hl, dv]``. The indexer's tail slots (the last ``kpool - 1``) are moved
+        to the front so that every row's valid slots end early and the kernel skips the unused pool slots of short
+        contexts. ``return_lse``: as :meth:`_attention_fused`."""
         w_kc, w_vc = self.absorbed_weights()
         if get_pg_size(self.tp_group) > 1:
             kv_lat = copy_to_tensor_model_parallel_region(kv_lat, group=self.tp_group)
@@ -398,7 +494,7 @@ class Glm5DSAttention(MegatronModule):
         elif self.backend == "fused" and use_indexer_loss and self.config.dsa_indexer_use_sparse_loss:
             out, lse, q_lat = self._attention_fused(q, kv_lat, topk_indices, return_lse=True)
         elif self.backend == "fused":
-            out = self._attention_fused(q, kv_lat, topk_indices)
+            out = self._attention_fused(q, kv_lat, topk_indices, packed_seq_params=packed_seq_params)
         elif self.backend == "sparse":
             out = self._attention_sparse(q, kv_lat, topk_indices)
         elif self.backend == "torch":
