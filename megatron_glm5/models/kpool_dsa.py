@@ -126,33 +126,33 @@ def dense_attention_fallback() -> Optional[str]:
 
 @dataclass
 class DensePrefixLayout:
-    """Which queries of a row run as dense causal attention (:meth:`Glm5DSAttention._attention_dense_prefix`), as
-    host lists of row positions: ``docs_padded [n][d]`` each document's leading positions (``d`` = the longest
-    such prefix; a shorter one is padded at its end with its last position, whose outputs are dropped and which,
-    as keys, come after every real query of its row), ``valid_flat`` the indices into the flattened ``[n * d]``
-    that are real, ``dense`` those positions in that order, ``rest`` the other positions (ascending)."""
+    """Which queries of a packed row run as dense causal attention (:meth:`Glm5DSAttention._attention_dense_prefix`),
+    as host int64 tensors of row positions: ``docs_padded [n, d]`` each document's leading positions (``d`` = the
+    longest such prefix; a shorter one is padded at its end with its last position, whose outputs are dropped and
+    which, as keys, come after every real query of its row), ``valid [n, d]`` which of them are real, ``dense`` the
+    real ones in that order, ``rest`` the other positions of the row (ascending)."""
 
-    docs_padded: list
-    valid_flat: list
-    dense: list
-    rest: list
+    docs_padded: torch.Tensor
+    valid: torch.Tensor
+    dense: torch.Tensor
+    rest: torch.Tensor
 
 
 def dense_prefix_layout(bounds: list, prefix: int) -> Optional[DensePrefixLayout]:
     """The :class:`DensePrefixLayout` of a row with document boundaries ``bounds`` (``[0, ..., s]``, host ints) where
     each document's first ``prefix`` positions attend densely; None when no query would."""
-    spans = [(a, min(e, a + prefix)) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]
-    if not spans or prefix <= 0:
+    cu = torch.tensor(bounds, dtype=torch.long)
+    starts, lens = cu[:-1], (cu[1:] - cu[:-1]).clamp(max=max(prefix, 0))
+    starts, lens = starts[lens > 0], lens[lens > 0]
+    if lens.numel() == 0:
         return None
-    d = max(e - a for a, e in spans)
-    docs_padded, valid_flat, dense = [], [], []
-    for i, (a, e) in enumerate(spans):
-        docs_padded.append(list(range(a, e)) + [e - 1] * (d - (e - a)))
-        valid_flat.extend(range(i * d, i * d + e - a))
-        dense.extend(range(a, e))
-    in_dense = set(dense)
-    rest = [p for p in range(bounds[-1]) if p not in in_dense]
-    return DensePrefixLayout(docs_padded, valid_flat, dense, rest)
+    steps = torch.arange(int(lens.max()))
+    valid = steps[None, :] < lens[:, None]                                           # [n, d]
+    docs_padded = starts[:, None] + torch.minimum(steps[None, :], lens[:, None] - 1)
+    is_dense = torch.zeros(int(cu[-1]), dtype=torch.bool)
+    dense = docs_padded[valid]
+    is_dense[dense] = True
+    return DensePrefixLayout(docs_padded, valid, dense, (~is_dense).nonzero().flatten())
 
 
 @dataclass
@@ -389,32 +389,35 @@ class Glm5DSAttention(MegatronModule):
         if not return_lse and prefix > 0 and get_pg_size(self.cp_group) == 1:
             from megatron_glm5.models.packing import row_boundaries
 
-            layout = dense_prefix_layout(row_boundaries(packed_seq_params, q.shape[0]), prefix)
+            bounds = row_boundaries(packed_seq_params, q.shape[0])
+            if len(bounds) == 2:  # one document: its positions [0, prefix) are dense
+                return self._attention_dense_prefix_of_one_document(q, kv_lat, topk_indices, prefix)
+            layout = dense_prefix_layout(bounds, prefix)
             if layout is not None:
                 return self._attention_dense_prefix(q, kv_lat, topk_indices, layout)
         return self._attention_fused_all(q, kv_lat, topk_indices, return_lse)
 
+    def _attention_dense_prefix_of_one_document(self, q, kv_lat, topk_indices, prefix: int):
+        """:meth:`_attention_dense_prefix` of rows that are one document each: positions ``[0, prefix)`` dense."""
+        p = min(prefix, q.shape[0])
+        o_dense = self._dense_causal(q[:p].unsqueeze(0), kv_lat[:p].unsqueeze(0))[0]
+        if p == q.shape[0]:
+            return o_dense
+        o_rest = self._attention_fused_all(q[p:], kv_lat, topk_indices[:, p:].contiguous())
+        return torch.cat([o_dense, o_rest], dim=0)
+
     def _attention_dense_prefix(self, q, kv_lat, topk_indices, layout: "DensePrefixLayout"):
-        """:meth:`_attention_fused` with the queries of ``layout.dense`` (every document's leading positions) as
-        dense causal attention (:meth:`_dense_causal`, documents as batch rows) and the rest through the sparse
-        kernel. ``q [s, b, Hl, dq]``, ``kv_lat [s, b, r]``, ``topk_indices [b, s, w]`` -> ``[s, b, Hl, dv]``. A row
-        that is one document takes slices; a packed row gathers its documents' prefixes."""
+        """:meth:`_attention_fused` of a packed row with the queries of ``layout.dense`` (every document's leading
+        positions) as dense causal attention (:meth:`_dense_causal`, documents as batch rows) and the rest through
+        the sparse kernel. ``q [s, b, Hl, dq]``, ``kv_lat [s, b, r]``, ``topk_indices [b, s, w]`` ->
+        ``[s, b, Hl, dv]``."""
         from megatron_glm5.models.packing import to_device_async
 
-        s = q.shape[0]
-        if len(layout.docs_padded) == 1:                               # one document: positions [0, p) are dense
-            p = len(layout.dense)
-            o_dense = self._dense_causal(q[:p].unsqueeze(0), kv_lat[:p].unsqueeze(0))[0]
-            if p == s:
-                return o_dense
-            o_rest = self._attention_fused_all(q[p:], kv_lat, topk_indices[:, p:].contiguous())
-            return torch.cat([o_dense, o_rest], dim=0)
-        idx, valid, dense_pos, rest_pos = (
-            to_device_async(torch.tensor(v, dtype=torch.long), q.device)
-            for v in (layout.docs_padded, layout.valid_flat, layout.dense, layout.rest or [0]))
+        idx, valid, dense_pos, rest_pos = (to_device_async(t, q.device) for t in
+                                           (layout.docs_padded, layout.valid, layout.dense, layout.rest))
         o = self._dense_causal(q[idx], kv_lat[idx])                                 # [n, d, b, Hl, dv]
-        out = o.new_zeros(s, *o.shape[2:]).index_copy(0, dense_pos, o.flatten(0, 1)[valid])
-        if not layout.rest:
+        out = o.new_zeros(q.shape[0], *o.shape[2:]).index_copy(0, dense_pos, o[valid])
+        if layout.rest.numel() == 0:
             return out
         o_rest = self._attention_fused_all(q[rest_pos], kv_lat, topk_indices[:, rest_pos].contiguous())
         return out.index_copy(0, rest_pos, o_rest)
