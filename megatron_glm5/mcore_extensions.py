@@ -13,7 +13,7 @@ Without them megatron-core falls back to per-tensor Python loops that also stop 
 * **Gradient-accumulation fusion** (``config.gradient_accumulation_fusion``, Megatron-LM's default, off with
   ``--no-gradient-accumulation-fusion``): megatron-core's linears then accumulate their weight gradient straight
   into DDP's fp32 ``main_grad`` instead of writing a bf16 ``.grad`` that DDP's hook adds to ``main_grad`` (an
-  element-wise pass over every weight, every micro-batch). :func:`wgrad_gemm_accum_fp32` is that GEMM with an fp32
+  element-wise pass over every weight, every micro-batch). :func:`wgrad_gemm_accum` is that GEMM with an fp32
   output accumulated in place (cuBLAS, ``torch.addmm(..., out_dtype=torch.float32)``), so the weight gradient is
   also summed without rounding it to bf16 first.
 
@@ -58,21 +58,15 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: L
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
-def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """``main_grad [out, in] (fp32) += grad_output^T @ total_input``, ``grad_output [n, out]``, ``total_input
-    [n, in]`` (the contract of Apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``). 16-bit inputs on
-    CUDA: one cuBLAS GEMM with fp32 accumulation and output, added to ``main_grad`` in place."""
-    if total_input.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_output.t(), total_input)
-    elif main_grad.is_cuda:
+def wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad [out, in] += grad_output^T @ total_input``, ``grad_output [n, out]``, ``total_input [n, in]`` (the
+    contract of Apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`` / ``_fp16``). 16-bit inputs into
+    an fp32 ``main_grad`` on CUDA: one cuBLAS GEMM with fp32 accumulation and output, in place; otherwise the
+    product in ``main_grad``'s dtype (the CPU has no mixed-dtype GEMM)."""
+    if main_grad.is_cuda and total_input.dtype != main_grad.dtype:
         torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
-    else:  # no mixed-dtype GEMM on the CPU: the product in fp32
+    else:
         main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
-
-
-def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """:func:`wgrad_gemm_accum_fp32` for a 16-bit ``main_grad`` (``--accumulate-allreduce-grads-in-fp32`` off)."""
-    main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
 
 
 def describe_fusion(model_chunks) -> str:
@@ -88,8 +82,8 @@ def describe_fusion(model_chunks) -> str:
 class FusedWeightGradientMlp:
     """Stands for Apex's ``fused_weight_gradient_mlp_cuda`` module in megatron-core's linears."""
 
-    wgrad_gemm_accum_fp32 = staticmethod(wgrad_gemm_accum_fp32)
-    wgrad_gemm_accum_fp16 = staticmethod(wgrad_gemm_accum_fp16)
+    wgrad_gemm_accum_fp32 = staticmethod(wgrad_gemm_accum)  # fp32 main_grad
+    wgrad_gemm_accum_fp16 = staticmethod(wgrad_gemm_accum)  # 16-bit main_grad
 
 
 def install() -> List[str]:

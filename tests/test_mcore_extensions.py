@@ -43,7 +43,7 @@ def test_wgrad_accumulates_into_fp32_main_grad(dtype):
     x, g = torch.randn(24, 6, generator=gen).to(dtype), torch.randn(24, 5, generator=gen).to(dtype)
     main_grad = torch.randn(5, 6, generator=gen)
     want = main_grad.double() + g.double().t() @ x.double()
-    ext.wgrad_gemm_accum_fp32(x, g, main_grad)
+    ext.wgrad_gemm_accum(x, g, main_grad)
     assert main_grad.dtype == torch.float32
     assert (main_grad.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
@@ -108,7 +108,7 @@ def test_wgrad_bf16_on_cuda_is_one_fp32_gemm_in_place_gpu():
     main_grad = torch.randn(768, 1024, device="cuda", generator=gen)
     ptr = main_grad.data_ptr()
     want = main_grad.double() + g.double().t() @ x.double()
-    ext.wgrad_gemm_accum_fp32(x, g, main_grad)
+    ext.wgrad_gemm_accum(x, g, main_grad)
     assert main_grad.data_ptr() == ptr
     err = (main_grad.double() - want).abs().max().item() / want.abs().max().item()
     assert err <= 1e-5, err  # fp32 accumulation (a bf16 output would be ~4e-3)

@@ -348,12 +348,17 @@ class Glm5DSAttention(MegatronModule):
         w = self.kv_b_proj.weight.view(self.num_heads_local, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_head_dim], w[:, self.qk_head_dim:]
 
+    def expanded_kv(self, kv_lat: torch.Tensor):
+        """Per-head keys and values from the latents through ``kv_b_proj``: ``kv_lat [t, b, r]`` ->
+        ``(k [t, b, Hl, dq], v [t, b, Hl, dv])``."""
+        t, b = kv_lat.shape[:2]
+        kv = linear_output(self.kv_b_proj(kv_lat)).view(t, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
+        return torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+
     def _attention_torch(self, q, kv_lat, topk_indices):
         """'torch' backend: expand K/V with ``kv_b_proj`` and run masked dense SDPA. ``q [s, b, Hl, dq]``,
         ``kv_lat [t, b, r]`` (``t = s``, or the whole row under CP) -> ``[s, b, Hl, dv]``."""
-        s, b = kv_lat.shape[:2]
-        kv = linear_output(self.kv_b_proj(kv_lat)).view(s, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
-        k, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        k, v = self.expanded_kv(kv_lat)
         out = dense_topk_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), topk_indices,
                                    self.softmax_scale)
         return out.transpose(0, 1)
@@ -426,10 +431,8 @@ class Glm5DSAttention(MegatronModule):
         """Causal attention within each of ``n`` documents: ``q [n, d, b, Hl, dq]``, ``kv_lat [n, d, b, r]`` ->
         ``[n, d, b, Hl, dv]``, K/V expanded by ``kv_b_proj``, torch's SDPA over ``n * b`` rows (a fused kernel on
         CUDA)."""
-        n, d, b, heads = q.shape[:4]
-        kv = linear_output(self.kv_b_proj(kv_lat.reshape(n * d, b, -1)))             # [n*d, b, Hl*(dq+dv)]
-        k, v = torch.split(kv.view(n, d, b, heads, self.qk_head_dim + self.v_head_dim),
-                          [self.qk_head_dim, self.v_head_dim], dim=-1)
+        n, d, b = q.shape[:3]
+        k, v = (t.unflatten(0, (n, d)) for t in self.expanded_kv(kv_lat.flatten(0, 1)))   # [n, d, b, Hl, .]
         rows = lambda t: t.permute(0, 2, 3, 1, 4).flatten(0, 1)                      # noqa: E731 [n*b, Hl, d, .]
         o = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, scale=self.softmax_scale)
         return o.unflatten(0, (n, b)).permute(0, 3, 1, 2, 4)                         # [n, d, b, Hl, dv]
@@ -546,15 +549,14 @@ class Glm5DSAttention(MegatronModule):
         from megatron_glm5.models.context_parallel import sequence_layout
         from megatron_glm5.models.packing import document_ids
 
-        s, b = q.shape[:2]
+        s = q.shape[0]
         layout = sequence_layout(packed_seq_params, s, q.device, self.cp_group)
         t = kv_lat.shape[0]
         doc = document_ids(layout.cu_seqlens, t)
         qpos = torch.arange(layout.offset, layout.offset + s, device=q.device)
         kpos = torch.arange(t, device=q.device)
         mask = (doc[None, :] == doc[qpos][:, None]) & (kpos[None, :] <= qpos[:, None])     # [s, t]
-        kv = linear_output(self.kv_b_proj(kv_lat)).view(t, b, self.num_heads_local, self.qk_head_dim + self.v_head_dim)
-        k, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        k, v = self.expanded_kv(kv_lat)
         out = fused_masked_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), mask,
                                      self.softmax_scale)                                    # [b, Hl, s, dv]
         return out.permute(2, 0, 1, 3)

@@ -120,13 +120,11 @@ def _glm5_get_megatron_optimizer(upstream):
         for part in optimizer_parts(optimizer):
             if config.optimizer == "sgd" and getattr(part, "init_state_fn", None) is None:
                 part.init_state_fn = sgd_init_state  # megatron-core has none for SGD: its checkpoints could not load
-        if args.torch_fused_adam:
-            from megatron.training.utils import print_rank_0
+        from megatron.training.utils import print_rank_0
 
+        if args.torch_fused_adam:
             print_rank_0(f"--torch-fused-adam: {use_torch_fused_adam(optimizer)} param groups run torch's fused Adam")
         if args.gradient_accumulation_fusion:
-            from megatron.training.utils import print_rank_0
-
             from megatron_glm5.mcore_extensions import describe_fusion
 
             print_rank_0(describe_fusion(model_chunks))
