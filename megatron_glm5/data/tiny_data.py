@@ -121,7 +121,7 @@ def write_tiny_hf_assets(hf_dir: str, hf_config: dict) -> str:
     vision = hf_config.get("vision_config") or {}
     files = {
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                                  "pad_token": "<|endoftext|>", "model_max_length": 4096},
+                                  "pad_token": "<|endoftext|>"},
         "special_tokens_map.json": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
         "preprocessor_config.json": {"image_processor_type": "Glm5NextImageProcessor",
                                      "processor_class": "Glm5NextProcessor",
