@@ -105,21 +105,23 @@ def default_backends(device, capability: Optional[Tuple[int, int]] = None) -> di
 
 def moe_graph_blockers(config, sizes: Optional[dict] = None) -> List[str]:
     """Why an MoE layer built from ``config`` cannot run as CUDA graphs (empty: it can). Graphs hold no
-    collectives here (no EP / expert-TP / TP / CP communication inside the layer), no aux or z-loss (their logging
-    goes through megatron's Python-side tracker), no token dropping (capacity) and no activation recompute (the
-    recompute pass would capture inside autograd's backward). ``sizes``: the parallel sizes of the process groups
-    (``{config field: size}``) where they are known, else the config's."""
+    collectives here (no EP / expert-TP / TP / CP communication inside the layer, nor the global aux loss's
+    reduction over the data-parallel group), no host-side loop (sinkhorn routing), no token dropping (capacity) and
+    no activation recompute (the recompute pass would capture inside autograd's backward). The per-batch aux loss,
+    the sequence aux loss and the z-loss are captured: their logging adds into megatron-core's metrics tracker in
+    place, and the backward reads ``MoEAuxLossAutoScaler``'s loss scale in place (``models/cuda_graphs.py``).
+    ``sizes``: the parallel sizes of the process groups (``{config field: size}``) where they are known, else the
+    config's."""
     out = []
     for name in ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
                  "context_parallel_size"):
         size = (sizes or {}).get(name, getattr(config, name, 1))
         if (size or 1) != 1:
             out.append(f"{name}={size}")
-    if getattr(config, "moe_router_load_balancing_type", "none") not in (None, "none") and \
-            (getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0) != 0.0:
-        out.append("an aux loss")
-    if getattr(config, "moe_z_loss_coeff", None):
-        out.append("a z-loss")
+    if "global_aux_loss" in aux_loss_types(config):
+        out.append("the global aux loss (it reduces over the data-parallel group inside the layer)")
+    if "sinkhorn" in _load_balancing_types(config):
+        out.append("sinkhorn routing (its convergence loop runs on the host)")
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         out.append("token dropping (moe_expert_capacity_factor)")
     if getattr(config, "moe_router_force_load_balancing", False) or getattr(config, "moe_input_jitter_eps", None):
@@ -129,6 +131,21 @@ def moe_graph_blockers(config, sizes: Optional[dict] = None) -> List[str]:
     if getattr(config, "moe_shared_expert_overlap", False):
         out.append("moe_shared_expert_overlap")
     return out
+
+
+def _load_balancing_types(config) -> List[str]:
+    """``moe_router_load_balancing_type`` as a list (megatron-core takes one name or a list of them)."""
+    kind = getattr(config, "moe_router_load_balancing_type", None) or "none"
+    return list(kind) if isinstance(kind, (list, tuple)) else [kind]
+
+
+def aux_loss_types(config) -> List[str]:
+    """The load-balancing losses the router adds (``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``): the listed
+    types whose ``moe_aux_loss_coeff`` (one number, or one per type) is non-zero."""
+    types = _load_balancing_types(config)
+    coeffs = getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(types)
+    return [t for t, c in zip(types, coeffs) if t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c]
 
 
 def grouped_experts_blockers(config, dtype: torch.dtype, sizes: Optional[dict] = None) -> List[str]:

@@ -67,9 +67,13 @@ def test_missing_triton_is_named(monkeypatch):
 def test_blocked_moe_graphs_say_what_blocks_them(monkeypatch):
     pytest.importorskip("triton")
     _fake_gpu(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3")
-    cfg = _config(moe_cuda_graph=True, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3)
+    cfg = _config(moe_cuda_graph=True, moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-3)
     row = _row(builder.describe_backends(cfg, "cuda"), "moe_cuda_graph")
-    assert "fallback: the MoE layers run eagerly: graphs are blocked by an aux loss" in row
+    assert "fallback: the MoE layers run eagerly: graphs are blocked by the global aux loss (it reduces over the " \
+           "data-parallel group inside the layer)" in row
+    cfg = _config(moe_cuda_graph=True, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3)
+    assert _row(builder.describe_backends(cfg, "cuda"), "moe_cuda_graph") == \
+        _row(builder.describe_backends(_config(moe_cuda_graph=True), "cuda"), "moe_cuda_graph")  # not a blocker
     row = _row(builder.describe_backends(_config(dsa_backend="torch"), "cuda"), "dsa_backend")
     assert "set by flag or config (fast path: fused)" in row
 

@@ -100,10 +100,20 @@ def test_blockers(mcore):
     assert moe_graph_blockers(_config()) == []
     assert moe_graph_blockers(_config(recompute_granularity="full")) == ["recompute_granularity=full"]
     assert moe_graph_blockers(_config(expert_model_parallel_size=2)) == ["expert_model_parallel_size=2"]
-    assert moe_graph_blockers(_config(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3)) == \
-        ["an aux loss"]
-    assert moe_graph_blockers(_config(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.0)) == []
-    assert moe_graph_blockers(_config(moe_z_loss_coeff=1e-3)) == ["a z-loss"]
+    for kind in ("aux_loss", "seq_aux_loss"):  # captured with the layer
+        assert moe_graph_blockers(_config(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=1e-3)) == []
+    assert moe_graph_blockers(_config(moe_z_loss_coeff=1e-3)) == []
+    glob = ["the global aux loss (it reduces over the data-parallel group inside the layer)"]
+    assert moe_graph_blockers(_config(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-3)) \
+        == glob
+    assert moe_graph_blockers(_config(moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss"],
+                                      moe_aux_loss_coeff=[1e-3, 1e-4])) == glob
+    assert moe_graph_blockers(_config(moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss"],
+                                      moe_aux_loss_coeff=[1e-3, 0.0])) == []
+    assert moe_graph_blockers(_config(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.0)) \
+        == []
+    assert moe_graph_blockers(_config(moe_router_load_balancing_type="sinkhorn")) == \
+        ["sinkhorn routing (its convergence loop runs on the host)"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback (megatron's router lives on the GPU there)")
@@ -238,6 +248,80 @@ def test_graphs_match_eager_with_gradient_accumulation(mcore):
     _assert_same(eager, graphed, tol, rel=4e-3)
     _assert_counts_equal(m.router.local_tokens_per_expert - counts1, eager_counts)
     assert all(torch.isfinite(t).all() for d in graphed[2] for t in d.values())
+
+
+def _aux_loss_steps(m, call, batches, scales, micro=2):
+    """``_steps`` with megatron's aux-loss bookkeeping around each micro-batch, as its schedule does it: the loss
+    scale set in place (``MoEAuxLossAutoScaler.set_loss_scale``) between the forward and the backward, and after each
+    step the metrics tracker's per-layer values read and cleared. -> (``_steps``'s result, logged values per step)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    outs, dxs, grads, logged = [], [], [], []
+    for step, i in enumerate(range(0, len(batches), micro)):
+        for x, w in batches[i:i + micro]:
+            xi = x.clone().requires_grad_(True)
+            out = call(xi)
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scales[step], device="cuda"))
+            (out.float() * w).sum().backward()
+            outs.append(out.detach().float())
+            dxs.append(xi.grad.float())
+        grads.append({n: p.grad.detach().float().clone() for n, p in m.named_parameters() if p.grad is not None})
+        for p in m.parameters():
+            p.grad = None
+        tracker = get_moe_metrics_tracker()
+        logged.append({n: e.values.clone() for n, e in tracker.metrics.items()})
+        tracker.clear()
+    return (outs, dxs, grads), logged
+
+
+@cuda
+@pytest.mark.parametrize("over", [dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
+                                  dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
+                                       moe_z_loss_coeff=0.01)], ids=["aux_loss", "seq_aux_loss+z_loss"])
+def test_aux_losses_are_captured(mcore, over):
+    """An aux loss (and z-loss) inside the graphs: three steps of two micro-batches, the loss scale changing every
+    step, give the eager layer's outputs and gradients (the losses' own gradients into the router included) and the
+    metrics tracker's logged losses; the warm-up and capture log nothing (the tracker and the loss scale are made
+    by the warm-up here, as on a run's first step). A tracker replaced afterwards (``destroy_moe_metrics_tracker``)
+    is noticed: the layer captures again and logs into the new one."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    m = _moe("cuda", **over)
+    batches = _inputs(m, 6)
+    scales = [1.0, 0.5, 2.0]
+
+    def fresh_state():
+        destroy_moe_metrics_tracker()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+    fresh_state()
+    eager, eager_logged = _aux_loss_steps(m, _eager(m), batches, scales)
+    eager2, _ = _aux_loss_steps(m, _eager(m), batches, scales)
+    tol = max(_diff(a, b) for a, b in zip(eager[0] + eager[1], eager2[0] + eager2[1]))
+    tol = max([tol] + [_diff(a[n], b[n]) for a, b in zip(eager[2], eager2[2]) for n in a])
+    (_, _, no_aux), _ = _aux_loss_steps(m, _eager(m), batches, [0.0, 0.0, 0.0])
+    router = [n for n in eager[2][0] if n.startswith("router.")]
+    assert router and max(_diff(a[n], b[n]) for a, b in zip(eager[2], no_aux) for n in router) > 100 * tol
+
+    fresh_state()
+    g = GraphedModule(m, _eager(m))
+    graphed, graphed_logged = _aux_loss_steps(m, g, batches, scales)
+    assert g.replays == 6 and g.eager_calls == 0 and len(g.graphs) == 1 and not g.disabled
+    _assert_same(eager, graphed, tol, rel=4e-3)
+    names = set(eager_logged[0])
+    assert names and all(set(d) == names for d in eager_logged + graphed_logged)
+    for a, b in zip(eager_logged, graphed_logged):
+        for n in names:
+            assert b[n].count_nonzero() == 1 and _diff(a[n], b[n]) <= 1e-3 * a[n].abs().max().item(), (n, a, b)
+
+    first = next(iter(g.graphs.values()))
+    destroy_moe_metrics_tracker()
+    _, again = _aux_loss_steps(m, g, batches[:2], scales[:1])
+    assert next(iter(g.graphs.values())) is not first and g.eager_calls == 0
+    for n in names:
+        assert _diff(again[0][n], eager_logged[0][n]) <= 1e-3 * eager_logged[0][n].abs().max().item()
 
 
 @cuda

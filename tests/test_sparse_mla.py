@@ -65,6 +65,32 @@ def test_kernel_matches_reference(dtype, b, s, H, R, W):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,s,first,H,R,W", [(1, 200, 120, 64, 512, 150), (2, 96, 35, 20, 32, 70)])
+def test_fewer_queries_than_latent_rows(dtype, b, s, first, H, R, W):
+    """The queries of positions ``first..s-1`` only (the rest of a sequence whose first queries run dense) over all
+    ``s`` latent rows: the latent gradient has every row's shape, and output and gradients equal the reference's."""
+    from megatron_glm5.kernels.sparse_mla import sparse_mla, sparse_mla_reference
+
+    gen = torch.Generator().manual_seed(s + first)
+    q = torch.randn(b, s - first, H, R, generator=gen).cuda().to(dtype).requires_grad_(True)
+    kv = torch.randn(b, s, R, generator=gen).cuda().to(dtype).requires_grad_(True)
+    idx = _random_selection(b, s, W, gen)[:, first:].contiguous().cuda()
+    scale = R ** -0.5
+    w = torch.randn(b, s - first, H, R, generator=gen).cuda()
+
+    qd, kd = q.detach().double().requires_grad_(True), kv.detach().double().requires_grad_(True)
+    ref = sparse_mla_reference(qd, kd, idx, scale)
+    (ref * w.double()).sum().backward()
+    out = sparse_mla(q, kv, idx, scale)
+    (out.float() * w).sum().backward()
+    assert kv.grad.shape == kv.shape and q.grad.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    e_o, e_q, e_k = _rel(out, ref), _rel(q.grad, qd.grad), _rel(kv.grad, kd.grad)
+    print(f"{dtype} b={b} queries {first}..{s - 1} of {s}: out {e_o:.2e} dq {e_q:.2e} dkv {e_k:.2e}")
+    assert e_o < tol and e_q < tol and e_k < 2 * tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,s,H,R,W", [(1, 160, 64, 512, 150), (2, 96, 20, 32, 70)])
 def test_kernel_reads_head_major_queries_and_gradients(dtype, b, s, H, R, W):
     """Queries laid out head-major (``[H, b, s, R]`` memory, as the DSA layer's einsum makes them) and an output

@@ -131,7 +131,8 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     """Run each MoE layer's forward and backward as replayed CUDA graphs (``models/cuda_graphs.py``, one capture
     per input shape) instead of launching its ~100 kernels from Python every step: the GPU fast path for short
     steps, which wait for the host. Training on CUDA only, and only without collectives inside the layer (EP, TP,
-    CP of 1), aux / z-loss, token dropping or activation recompute (``execution_plan.moe_graph_blockers``);
+    CP of 1; no global aux loss), sinkhorn routing, token dropping or activation recompute
+    (``execution_plan.moe_graph_blockers``); the aux, sequence aux and z-losses are captured with the layer;
     otherwise, or in evaluation, the layer runs eagerly. The same operations as eager (cuBLAS may pick other GEMM
     algorithms under capture: bf16 rounding). None: on for CUDA (the execution plan)."""
 

@@ -379,13 +379,14 @@ def _fit_shared_memory(tiling: dict, fused: bool, R: int, budget: int = _SMEM_BU
 def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                     idx: torch.Tensor, n_end: torch.Tensor, scale: float,
                     passes=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq [T, H, R] in q.dtype, dkv [T, R] in kv.dtype)``. ``passes``: explicit list of
-    ``(compute_dq, compute_dkv)`` kernel launches (benchmarks time the two halves separately)."""
+    """Gradients ``(dq [T, H, R] in q.dtype, dkv [T_kv, R] in kv.dtype)``: ``T`` query rows, ``T_kv`` latent rows
+    (fewer queries than latent rows when only some of a sequence's queries take the kernel). ``passes``: explicit
+    list of ``(compute_dq, compute_dkv)`` kernel launches (benchmarks time the two halves separately)."""
     T, H, R = q.shape
     if do.stride(-1) != 1:
         do = do.contiguous()
     dq = torch.empty_like(o)
-    dkv = torch.zeros(T, R, device=kv.device, dtype=torch.float32)
+    dkv = torch.zeros(kv.shape[0], R, device=kv.device, dtype=torch.float32)
     half = q.element_size() == 2               # fp32 products run without tensor cores (ieee): no staging to fit
     budget, vec_ok = _limits(q)
     for compute_dq, compute_dkv, cfg in _bwd_passes(BWD_CONFIG if half else BWD_CONFIG_FP32, passes,

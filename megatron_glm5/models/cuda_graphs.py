@@ -25,6 +25,12 @@ is copied out of the pool (callers may keep it). What makes a replay wrong is ca
   the forward updates in place (the router's ``local_tokens_per_expert`` for the aux-loss-free expert bias) are
   updated by every replay as by every eager call; the warm-up and capture calls themselves restore them, so they
   count each real step exactly once.
+* **megatron-core's aux-loss state.** An aux loss, sequence aux loss or z-loss of the router is captured with the
+  layer: its forward adds the loss into the metrics tracker's per-layer tensor in place
+  (``get_moe_metrics_tracker().metrics[name].values``) and its backward reads ``MoEAuxLossAutoScaler``'s loss scale,
+  which megatron's schedule sets in place every micro-batch. A replay checks that both are still the tensors the
+  capture saw (:func:`aux_loss_state`) and captures again if not; the warm-up and capture calls restore the
+  tracker's values, as they do the buffers.
 * **Two forwards in flight.** A second forward through the same graphs before the first one's backward would
   overwrite the activations that backward needs (a pipeline schedule with several micro-batches in flight): such
   a forward runs eagerly. A forward whose autograd graph is dropped without a backward does not block later ones.
@@ -44,8 +50,8 @@ exactly cuBLAS's Hopper workspace size.
 
 Calls outside training (``module.training`` off, autograd off, autocast on, an input without gradient, a CPU
 tensor, or while another graph is being captured) run eagerly. Eligibility that depends on the model is the
-execution plan's (:func:`megatron_glm5.execution_plan.moe_graph_blockers`): collectives, aux losses that log
-through Python state, activation recompute.
+execution plan's (:func:`megatron_glm5.execution_plan.moe_graph_blockers`): collectives, host-side routing
+loops, activation recompute.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ import torch
 
 from megatron_glm5.execution_plan import moe_graph_blockers
 
-__all__ = ["GraphedModule", "aliased_parameters", "cublas_workspaces_of_capture", "describe_graphed_modules",
+__all__ = ["GraphedModule", "aliased_parameters", "aux_loss_state", "cublas_workspaces_of_capture", "describe_graphed_modules",
            "graphed_modules", "moe_graph_blockers"]
 
 log = logging.getLogger(__name__)
@@ -100,6 +106,19 @@ def check_aliases_carry_gradients(module: torch.nn.Module, params: Sequence[torc
         if (a is None) != (g is None) or (a is not None and not torch.equal(a, g)):
             raise RuntimeError(f"parameter {names.get(id(p), '?')} is used outside its module slot; "
                                "its gradient would bypass the captured graph")
+
+
+def aux_loss_state() -> Dict[tuple, torch.Tensor]:
+    """The tensors outside the layer that a captured router's aux loss / z-loss reads or writes by address:
+    ``("metric", name)``: the metrics tracker's per-layer values (the forward adds each loss in place), and
+    ``("scale",)``: ``MoEAuxLossAutoScaler``'s loss scale (the backward multiplies by it) once it exists."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    state = {("metric", name): entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
+    if MoEAuxLossAutoScaler.main_loss_backward_scale is not None:
+        state[("scale",)] = MoEAuxLossAutoScaler.main_loss_backward_scale
+    return state
 
 
 @contextlib.contextmanager
@@ -157,9 +176,9 @@ class _CapturedGraphs:
     def __init__(self, module: torch.nn.Module, fn: Callable, x: torch.Tensor, extras: Sequence[torch.Tensor],
                  warmup: int, parts: Sequence[torch.nn.Module]):
         self.params = list({id(p): p for part in parts for p in part.parameters() if p.requires_grad}.values())
-        self._record_tensors(parts)
         buffers = list({id(b): b for part in parts for b in part.buffers()}.values())
         saved = [b.clone() for b in buffers]
+        metrics = {k: (t, t.clone()) for k, t in aux_loss_state().items() if k[0] == "metric"}
         self.static_x = x.detach().clone().requires_grad_(True)
         self.static_extras = [e.detach().clone() for e in extras]
 
@@ -189,9 +208,17 @@ class _CapturedGraphs:
             self.static_grad_x = grads[0]
             self.static_grad_params = list(grads[1:])
         finally:
-            with torch.no_grad():  # the warm-up and capture calls ran the module: undo their in-place buffer updates
+            with torch.no_grad():  # the warm-up and capture calls ran the module: undo their in-place updates
                 for b, s in zip(buffers, saved):
                     b.copy_(s)
+                for k, t in aux_loss_state().items():
+                    if k[0] != "metric":
+                        continue
+                    if k in metrics and metrics[k][0] is t:
+                        t.copy_(metrics[k][1])
+                    else:  # a tracker entry the warm-up made: it starts at zero, as the eager call's would
+                        t.zero_()
+        self._record_tensors(parts)
         self.in_flight: Optional[weakref.ref] = None
 
     def _aliased_forward(self, module: torch.nn.Module, fn: Callable):
@@ -209,24 +236,29 @@ class _CapturedGraphs:
                 for name, t in d.items() if t is not None]
 
     def _record_tensors(self, parts: Sequence[torch.nn.Module]):
-        """The parts' parameters and buffers, their addresses and the registration count they were read at."""
+        """The parts' parameters and buffers, their addresses and the registration count they were read at, and
+        megatron-core's aux-loss tensors (:func:`aux_loss_state`, after the warm-up made any the layer uses)."""
         self.slots = self._slots(parts)
         self.addresses = tuple(t.data_ptr() for _, _, t in self.slots)
         self.registrations = _REGISTRATIONS[0]
+        self.external = aux_loss_state()
 
     def valid_for(self, parts: Sequence[torch.nn.Module]) -> bool:
         """Whether the graphs still read the parts' parameters and buffers: the same tensors in the same slots
         (``Module._apply`` may put new ones straight into ``_parameters``; after a registration anywhere -- a new
         parameter, buffer or submodule -- the module tree is walked again) at the same addresses (``param.data =
-        ...``, as megatron's DDP and ``Module.to`` do, moves them). Cheap enough for every replay: no walk of the
-        module tree unless something was registered."""
+        ...``, as megatron's DDP and ``Module.to`` do, moves them), and megatron-core's aux-loss tensors
+        (:func:`aux_loss_state`) are the ones captured. Cheap enough for every replay: no walk of the module tree
+        unless something was registered."""
         if self.registrations != _REGISTRATIONS[0]:
             slots = self._slots(parts)
             if len(slots) != len(self.slots) or any(a[2] is not b[2] for a, b in zip(slots, self.slots)):
                 return False
             self.slots, self.registrations = slots, _REGISTRATIONS[0]
+        external = aux_loss_state() if self.external else {}
         return (all(d.get(name) is t for d, name, t in self.slots)
-                and tuple(t.data_ptr() for _, _, t in self.slots) == self.addresses)
+                and tuple(t.data_ptr() for _, _, t in self.slots) == self.addresses
+                and all(external.get(k) is t for k, t in self.external.items()))
 
     def busy(self) -> bool:
         return self.in_flight is not None and self.in_flight() is not None
