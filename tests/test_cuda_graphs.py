@@ -289,6 +289,7 @@ def test_aux_losses_are_captured(mcore, over):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     m = _moe("cuda", **over)
+    m.set_layer_number(2)  # what the transformer layer does; the router logs nothing without it
     batches = _inputs(m, 6)
     scales = [1.0, 0.5, 2.0]
 
