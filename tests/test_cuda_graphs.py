@@ -161,6 +161,42 @@ def test_replay_check_notices_replaced_and_moved_tensors():
     assert not g.valid_for((m,))
 
 
+def test_replay_check_notices_replaced_aux_loss_state(mcore):
+    """``valid_for`` also holds megatron-core's aux-loss tensors to the ones captured (:func:`aux_loss_state`): the
+    tracker's values zeroed in place (``clear``, after each report) or the loss scale set in place
+    (``set_loss_scale``, every micro-batch) -> valid; a new tracker (``destroy_moe_metrics_tracker``) or a new
+    loss-scale tensor -> not valid."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_glm5.models.cuda_graphs import _CapturedGraphs, aux_loss_state
+
+    def fresh():
+        destroy_moe_metrics_tracker()
+        get_moe_metrics_tracker().record("load_balancing_loss", torch.tensor(0.5), layer_number=1, num_layers=2)
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+        m = torch.nn.Linear(4, 4)
+        g = object.__new__(_CapturedGraphs)
+        g._record_tensors((m,))
+        assert set(g.external) == {("metric", "load_balancing_loss"), ("scale",)}
+        return m, g
+
+    try:
+        m, g = fresh()
+        get_moe_metrics_tracker().clear()
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.25))
+        assert g.valid_for((m,)) and aux_loss_state()[("scale",)].item() == 0.25
+        destroy_moe_metrics_tracker()
+        get_moe_metrics_tracker().record("load_balancing_loss", torch.tensor(0.5), layer_number=1, num_layers=2)
+        assert not g.valid_for((m,))
+        m, g = fresh()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+        assert not g.valid_for((m,))
+    finally:
+        destroy_moe_metrics_tracker()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
 def test_graphed_parts_are_looked_up_by_name():
     """A ``GraphedModule`` over some submodules (a layer's MLP half) reads exactly their tensors, found by name on
     every check: a submodule assigned in place of one of them makes the recorded graphs invalid, while a change to

@@ -65,8 +65,8 @@ import torch
 
 from megatron_glm5.execution_plan import moe_graph_blockers
 
-__all__ = ["GraphedModule", "aliased_parameters", "aux_loss_state", "cublas_workspaces_of_capture", "describe_graphed_modules",
-           "graphed_modules", "moe_graph_blockers"]
+__all__ = ["GraphedModule", "aliased_parameters", "aux_loss_state", "cublas_workspaces_of_capture",
+           "describe_graphed_modules", "graphed_modules", "moe_graph_blockers"]
 
 log = logging.getLogger(__name__)
 
