@@ -207,7 +207,7 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="routed experts (default: grouped on CUDA, sequential on CPU)")
     g.add_argument("--moe-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="run the MoE layers as replayed CUDA graphs where eligible (default: on with CUDA; they "
-                        "run eagerly under EP/TP/CP > 1, aux or z-loss, token dropping or recompute)")
+                        "run eagerly under EP/TP/CP > 1, the global aux loss, sinkhorn routing, token dropping or recompute)")
     g.add_argument("--kda-save-intermediates", action=argparse.BooleanOptionalAction, default=None,
                    help="fla_fused KDA: keep chunk_kda's forward intermediates for the backward instead of recomputing "
                         "them (default: on with fla_fused; ~0.57 GiB more per KDA layer per 4K tokens)")
