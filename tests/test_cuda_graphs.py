@@ -51,20 +51,26 @@ def _inputs(m, n, s=96, seed=1):
             for _ in range(n)]
 
 
-def _steps(m, call, batches, micro=2):
+def _steps(m, call, batches, micro=2, before_backward=None, after_step=None):
     """Optimizer-free steps of ``micro`` micro-batches each: per micro-batch the output and the input gradient, per
-    step every parameter gradient (accumulated over the micro-batches), then the grads are dropped."""
+    step every parameter gradient (accumulated over the micro-batches), then the grads are dropped.
+    ``before_backward(step)`` runs between each micro-batch's forward and backward, ``after_step()`` after each
+    step."""
     outs, dxs, grads = [], [], []
-    for i in range(0, len(batches), micro):
+    for step, i in enumerate(range(0, len(batches), micro)):
         for x, w in batches[i:i + micro]:
             xi = x.clone().requires_grad_(True)
             out = call(xi)
+            if before_backward is not None:
+                before_backward(step)
             (out.float() * w).sum().backward()
             outs.append(out.detach().float())
             dxs.append(xi.grad.float())
         grads.append({n: p.grad.detach().float().clone() for n, p in m.named_parameters() if p.grad is not None})
         for p in m.parameters():
             p.grad = None
+        if after_step is not None:
+            after_step()
     return outs, dxs, grads
 
 
@@ -287,28 +293,24 @@ def test_graphs_match_eager_with_gradient_accumulation(mcore):
 
 
 def _aux_loss_steps(m, call, batches, scales, micro=2):
-    """``_steps`` with megatron's aux-loss bookkeeping around each micro-batch, as its schedule does it: the loss
-    scale set in place (``MoEAuxLossAutoScaler.set_loss_scale``) between the forward and the backward, and after each
-    step the metrics tracker's per-layer values read and cleared. -> (``_steps``'s result, logged values per step)."""
+    """``_steps`` with megatron's aux-loss bookkeeping, as its schedule does it: the loss scale of each step set in
+    place (``MoEAuxLossAutoScaler.set_loss_scale``) between each forward and backward, and after each step the
+    metrics tracker's per-layer values read and cleared. -> (``_steps``'s result, logged values per step)."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    outs, dxs, grads, logged = [], [], [], []
-    for step, i in enumerate(range(0, len(batches), micro)):
-        for x, w in batches[i:i + micro]:
-            xi = x.clone().requires_grad_(True)
-            out = call(xi)
-            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scales[step], device="cuda"))
-            (out.float() * w).sum().backward()
-            outs.append(out.detach().float())
-            dxs.append(xi.grad.float())
-        grads.append({n: p.grad.detach().float().clone() for n, p in m.named_parameters() if p.grad is not None})
-        for p in m.parameters():
-            p.grad = None
+    logged = []
+
+    def log_and_clear():
         tracker = get_moe_metrics_tracker()
         logged.append({n: e.values.clone() for n, e in tracker.metrics.items()})
         tracker.clear()
-    return (outs, dxs, grads), logged
+
+    run = _steps(m, call, batches, micro,
+                 before_backward=lambda step: MoEAuxLossAutoScaler.set_loss_scale(
+                     torch.tensor(scales[step], device="cuda")),
+                 after_step=log_and_clear)
+    return run, logged
 
 
 @cuda
