@@ -117,18 +117,20 @@ def _halves(tb, tag="lm loss"):
 def test_memorise_mock_data(tmp_path):
     tb = tmp_path / "tb"
     proc = run(TINY + ["--mock-data", "--train-iters", "30", "--tensorboard-dir", str(tb),
-                       "--moe-aux-loss-coeff", "1e-3", "--log-params-norm", "--log-num-zeros-in-grad",
+                       "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-3", "--log-params-norm",
+                       "--log-num-zeros-in-grad",
                        "--log-throughput", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, last = _halves(tb)
     assert last <= first / 2, (first, last)
     tags = scalars(tb)
-    for tag in ("lm loss", "mtp_1 loss", "load_balancing_loss", "learning-rate", "grad-norm", "params-norm",
+    for tag in ("lm loss", "mtp_1 loss", "load_balancing_loss", "z_loss", "learning-rate", "grad-norm", "params-norm",
                 "num-zeros", "iteration-time", "throughput",
                 "mem-allocated-bytes", "mem-max-allocated-bytes", "moe/expert-load-imbalance",
                 "moe/expert-load-imbalance/layer_0"):
         assert tag in tags, (tag, sorted(tags))
     assert all(v > 0 for _, v in tags["load_balancing_loss"]) and all(v > 0 for _, v in tags["mtp_1 loss"])
+    assert all(v > 0 for _, v in tags["z_loss"])  # Megatron-LM's --moe-z-loss-coeff reaches the routers
     assert "iteration       30/      30" in proc.stdout and "lm loss:" in proc.stdout
 
 

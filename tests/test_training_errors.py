@@ -172,6 +172,8 @@ def test_bad_hf_config_is_one_line(capsys, tmp_path, content, phrase):
     (["--seed", "-1"], "--seed"),
     (["--split", "2e1,80"], "--split"),
     (["--fp16", "--bf16"], "Megatron-LM's check failed"),  # refused by Megatron-LM's validate_args
+    (["--hidden-dropout", "0.1"], "--hidden-dropout: 0.1 does not reach this model: its hidden_dropout is 0.0"),
+    (["--attention-backend", "flash"], "--attention-backend: 'flash' does not reach this model"),
 ])
 def test_bad_flag_is_all_the_program_prints(extra, flag):
     proc = run(BASE + extra)

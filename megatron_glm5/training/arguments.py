@@ -713,6 +713,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
             # only, and megatron-core's Float16Module refused an fp16 model with a traceback
             _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
+            check_flags_reach_the_model(args, model_config, argv, provider.parser._actions)
             unset_global_variables()  # a second parse in one process (tests) replaces the first
             set_global_variables(args, build_tokenizer=False)
             try:  # Megatron-LM's own tokenizer build, its failure named by the flag
@@ -726,6 +727,56 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
         fail(_megatron_check(e), prog)
     sys.stdout.write(megatron_noise.getvalue())
     return args
+
+
+MOE_TRAINING_FLAGS = ("moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor",
+                      "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_router_force_load_balancing",
+                      "moe_per_layer_logging")
+"""Megatron-LM's MoE training flags that :func:`model_config_from_args` hands to the model config as given (the
+router's z-loss and input jitter, the dispatcher's capacity and token dropping, forced balancing, per-layer
+logging)."""
+
+
+_MODEL_FLAG_INSTEAD = {"moe_grouped_gemm": "--moe-experts-backend grouped runs the experts as grouped GEMMs",
+                       "attention_backend": "--dsa-backend / --kda-backend pick the attention kernels"}
+"""What to give instead of a Megatron-LM flag that :func:`check_flags_reach_the_model` refuses, where there is one."""
+
+
+_FLAGS_READ_BY_THE_TRAINER = frozenset({"dsa_indexer_warmup"})
+"""Flags whose namesake config field holds something else: ``--dsa-indexer-warmup N`` is the trainer's step count
+(the config's ``dsa_indexer_warmup`` says whether this run is in the warm-up stage)."""
+
+
+def _same_setting(a, b) -> bool:
+    """A flag's value and a config field's as one setting: a one-element list is its element (megatron-core keeps
+    ``moe_aux_loss_coeff`` as a float or a list), an enum its name."""
+    def norm(v):
+        v = list(v) if isinstance(v, (list, tuple)) else [v]
+        return [getattr(x, "name", x) for x in v]
+    return norm(a) == norm(b)
+
+
+def check_flags_reach_the_model(args: argparse.Namespace, model_config, argv: List[str],
+                                actions: List[argparse.Action]) -> None:
+    """Every flag in ``argv`` that sets a field of the model config must have set it: a Megatron-LM flag that this
+    model takes from its architecture instead (``--hidden-dropout 0.1``, ``--kv-channels 64``) or does not read
+    (``--attention-backend flash``) raises :class:`ArgumentError` naming the flag, rather than training without it."""
+    by_option = {o: a.dest for a in actions for o in a.option_strings}
+    given = {}
+    for token in argv:
+        option = token.split("=", 1)[0]
+        if option.startswith("--") and option in by_option:
+            given.setdefault(by_option[option], option)
+    for dest, option in given.items():
+        if dest in _FLAGS_READ_BY_THE_TRAINER or not hasattr(model_config, dest) or not hasattr(args, dest):
+            continue
+        want, got = getattr(args, dest), getattr(model_config, dest)
+        if _same_setting(want, got):
+            continue
+        shown = [repr(getattr(v, "name", v)) for v in (want, got)]
+        instead = _MODEL_FLAG_INSTEAD.get(dest, "leave it out")
+        raise ArgumentError(option, f"{shown[0]} does not reach this model: its {dest} is {shown[1]}, set by "
+                                    f"{args.hf_config or args.model_preset} or by this trainer; {instead}")
 
 
 def model_config_from_args(args, device: str):
@@ -762,6 +813,8 @@ def model_config_from_args(args, device: str):
         recompute_modules=args.recompute_modules,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        # megatron-core's router and token dispatcher read these training switches themselves
+        **{name: getattr(args, name) for name in MOE_TRAINING_FLAGS},
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         mtp_num_layers=args.mtp_num_layers or None,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
