@@ -749,11 +749,12 @@ _FLAGS_READ_BY_THE_TRAINER = frozenset({"dsa_indexer_warmup"})
 
 def _same_setting(a, b) -> bool:
     """A flag's value and a config field's as one setting: a one-element list is its element (megatron-core keeps
-    ``moe_aux_loss_coeff`` as a float or a list), an enum its name."""
+    ``moe_aux_loss_coeff`` as a float or a list), an enum its name, an object built from the flag's text (the
+    pipeline layout) that text."""
     def norm(v):
         v = list(v) if isinstance(v, (list, tuple)) else [v]
         return [getattr(x, "name", x) for x in v]
-    return norm(a) == norm(b)
+    return norm(a) == norm(b) or [str(x) for x in norm(a)] == [str(x) for x in norm(b)]
 
 
 def check_flags_reach_the_model(args: argparse.Namespace, model_config, argv: List[str],
