@@ -771,6 +771,8 @@ def check_flags_reach_the_model(args: argparse.Namespace, model_config, argv: Li
     for dest, option in given.items():
         if dest in _FLAGS_READ_BY_THE_TRAINER or not hasattr(model_config, dest) or not hasattr(args, dest):
             continue
+        if dest == "moe_router_bias_update_rate" and getattr(model_config, "dsa_indexer_warmup", False):
+            continue  # the indexer warm-up stage holds the expert bias still; the rate applies after it
         want, got = getattr(args, dest), getattr(model_config, dest)
         if _same_setting(want, got):
             continue
