@@ -98,6 +98,57 @@ def test_fused_linear_backward_accumulates_into_main_grad():
     assert all(torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7) for a, b in zip(xs, ref_xs))
 
 
+def _ddp_main_grads(fusion: bool, tied: bool, state: dict, zero_out_wgrad=None) -> tuple:
+    """The tiny text model with its MTP layer (``tie_word_embeddings`` per ``tied``, weights ``state``; empty: a
+    fresh model's, written into it) in megatron-core's DDP, fp32, two micro batches: ``({name: main_grad}, the word
+    embedding's zero_out_wgrad)``. ``zero_out_wgrad``: set it on the word embedding before the steps (None: as the
+    model leaves it)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_glm5.config import Glm5Config, tiny_hf_config
+    from megatron_glm5.models.builder import build_model
+
+    ext.install()
+    hf = tiny_hf_config(num_layers=2, with_vision=False, mtp=True)
+    hf["tie_word_embeddings"] = tied
+    cfg = Glm5Config.from_hf(hf, use_cpu_initialization=True, gradient_accumulation_fusion=fusion)
+    model = build_model(cfg)
+    if state:
+        model.load_state_dict(state)
+    else:
+        state.update({k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)})
+    ddp = DistributedDataParallel(config=cfg, module=model,
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    weight = ddp.module.embedding.word_embeddings.weight
+    if zero_out_wgrad is not None:
+        weight.zero_out_wgrad = zero_out_wgrad
+    ddp.zero_grad_buffer()
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        ids = torch.randint(1, cfg.vocab_size, (2, 12), generator=gen)
+        ddp(ids, labels=torch.roll(ids, -1, dims=1)).sum().backward()
+    return ({n: p.main_grad.clone() for n, p in ddp.module.named_parameters() if p.requires_grad},
+            getattr(weight, "zero_out_wgrad", None))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_model_main_grads_with_the_fusion_equal_those_without(mcore, tied):
+    """The whole model under DDP (its MTP layer reuses the word embedding; ``tied``: so does the output layer): with
+    gradient-accumulation fusion every parameter's ``main_grad`` equals the unfused run's. megatron-core marks the
+    shared embedding weight ``zero_out_wgrad`` (DDP's hook then adds its ``.grad``); every use adds into main_grad
+    here, so the model clears the flag. Set again, the fused embedding hands zeros and the sums still hold."""
+    state = {}
+    ref, flag_ref = _ddp_main_grads(fusion=False, tied=tied, state=state)
+    assert flag_ref is True  # megatron-core's marking of the shared weight (the unfused run keeps it)
+    for zero_out in (None, True):
+        got, flag = _ddp_main_grads(fusion=True, tied=tied, state=state, zero_out_wgrad=zero_out)
+        assert flag is (zero_out is True)
+        assert set(got) == set(ref)
+        bad = [n for n in ref if not torch.allclose(got[n], ref[n], rtol=1e-5, atol=1e-7)]
+        assert not bad, (zero_out, bad[:5])
+        assert ref["embedding.word_embeddings.weight"].abs().sum() > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_wgrad_bf16_on_cuda_is_one_fp32_gemm_in_place_gpu():

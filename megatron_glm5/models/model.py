@@ -49,6 +49,7 @@ from megatron_glm5.models.context_parallel import (
     roll_left_in_documents,
     video_span_depth_of,
 )
+from megatron_glm5.models.embedding_grad import clear_zero_out_wgrad, fuse_embedding_grad
 from megatron_glm5.models.layer_specs import get_layer_spec, get_mtp_block_spec, get_stage_layer_range
 from megatron_glm5.models.mhc import contract_streams, expand_streams
 from megatron_glm5.models.norms import RMSNorm
@@ -140,8 +141,6 @@ class Glm5Model(LanguageModule):
                                                     position_embedding_type="none",
                                                     scatter_to_sequence_parallel=False, tp_group=self.tp_group)
             if config.gradient_accumulation_fusion:
-                from megatron_glm5.models.embedding_grad import fuse_embedding_grad
-
                 fuse_embedding_grad(self.embedding.word_embeddings)
         if pre_process and config.vision is not None:
             from megatron_glm5.models.vision import Glm5VisionModel
@@ -161,6 +160,8 @@ class Glm5Model(LanguageModule):
                                                      vp_stage=vp_stage, pg_collection=self.pg_collection)
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
+        if config.gradient_accumulation_fusion and hasattr(self, "embedding"):
+            clear_zero_out_wgrad(self.embedding.word_embeddings, getattr(self, "output_layer", None))
         mark_fp32_islands(self)
 
     # ------------------------------------------------------------------ pipeline glue
