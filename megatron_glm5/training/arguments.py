@@ -258,12 +258,13 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     # this model's layers are megatron-core's local modules and its own (no Transformer Engine spec) and carry no
     # position embedding (KDA, NoPE sparse attention); a non-finite step is skipped and counted (megatron_hooks), not
     # handed to the rerun state machine unless asked; with CUDA torch's fused Adam runs, without it the process
-    # groups are gloo's and CUDA-only fusions are off
+    # groups are gloo's and CUDA-only fusions are off (gradient-accumulation fusion is not one: megatron_glm5's
+    # mcore_extensions runs it on CPU tensors too, so the CPU runs take the GPU's gradient path)
     defaults = dict(transformer_impl="local", position_embedding_type="none", check_for_nan_in_loss_and_grad=False)
     if torch.cuda.is_available():
         defaults.update(torch_fused_adam=True)
     else:
-        defaults.update(distributed_backend="gloo", gradient_accumulation_fusion=False, bias_gelu_fusion=False,
+        defaults.update(distributed_backend="gloo", bias_gelu_fusion=False,
                         bias_swiglu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
                         persist_layer_norm=False, apply_rope_fusion=False, cross_entropy_loss_fusion=False,
                         attention_backend=_attention_backend("unfused"))
@@ -801,7 +802,7 @@ def model_config_from_args(args, device: str):
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
         # Megatron-LM's --no-gradient-accumulation-fusion; the fused GEMM is megatron_glm5.mcore_extensions'
-        gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)) and device == "cuda",
+        gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
         params_dtype=torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_cpu_initialization=(device == "cpu") or args.use_cpu_initialization,
