@@ -9,7 +9,7 @@ paths, and :func:`megatron_glm5.execution_plan.resolve_execution_plan` decides w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -98,8 +98,10 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
     """The indexer's dense warm-up stage (DeepSeek-V3.2): the DSA layers attend densely to every causal position of
     the query's document, every parameter but the indexers' is frozen, and only the indexer loss
     (``dsa_indexer_loss_coeff`` > 0, megatron-core's field, as is ``dsa_indexer_use_sparse_loss``) trains; the MoE
-    expert-bias update is off (``moe_router_bias_update_rate = 0``). Off: the
+    expert-bias update is off (:attr:`WARMUP_HOLDS`). Off: the
     sparse stage (top-k attention; the indexer loss, when on, next to the LM loss)."""
+    WARMUP_HOLDS: ClassVar[Dict[str, Any]] = {"moe_router_bias_update_rate": 0.0}
+    """The fields the warm-up stage sets over their given values (which apply after it)."""
     dsa_backend: Optional[str] = None
     """'torch' (masked dense reference, quadratic), 'sparse' (gathers only the selected positions) or 'fused' (the
     Triton sparse absorbed-MLA kernel, forward and backward: the GPU fast path). None: the execution plan picks."""
@@ -176,7 +178,8 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
 
             self.experimental_attention_variant_loss_scale_func = DSAIndexerLossAutoScaler.set_loss_scale
         if self.dsa_indexer_warmup:
-            self.moe_router_bias_update_rate = 0.0   # the warm-up moves nothing but the indexers
+            for name, value in self.WARMUP_HOLDS.items():
+                setattr(self, name, value)
         if self.activation_func_clamp_value is None:
             self.activation_func_clamp_value = self.swiglu_limit
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:

@@ -19,7 +19,7 @@ import math
 import os
 import re
 import sys
-from typing import List, NamedTuple, NoReturn, Optional
+from typing import Dict, List, NamedTuple, NoReturn, Optional
 
 from megatron_glm5.errors import ArgumentError, one_line
 
@@ -403,17 +403,28 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
             raise ArgumentError(name, str(e)) from None
 
 
-def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, argv: List[str]) -> None:
-    """The checks Megatron-LM's ``validate_args`` does not make for this model; raises :class:`ArgumentError`."""
+def given_options(argv: List[str], actions: List[argparse.Action]) -> Dict[str, str]:
+    """``{dest: option}`` of the options written in ``argv`` (``--flag`` or ``--flag=value``), through the parser's
+    ``actions``; a dest written twice keeps its first spelling."""
+    by_option = {o: a.dest for a in actions for o in a.option_strings}
+    given = {}
+    for token in argv:
+        option = token.split("=", 1)[0]
+        if option.startswith("--") and option in by_option:
+            given.setdefault(by_option[option], option)
+    return given
+
+
+def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, given: Dict[str, str]) -> None:
+    """The checks Megatron-LM's ``validate_args`` does not make for this model; raises :class:`ArgumentError`.
+    ``given``: :func:`given_options` of the command line."""
     for flag in _ARCHITECTURE_FLAGS:
         want = arch_defaults.get(flag)
         if want is None:
             continue
-        name = "--" + flag.replace("_", "-")
-        given = any(a == name or a.startswith(name + "=") for a in argv)
-        if given and getattr(args, flag, None) != want:
-            raise ArgumentError(name, f"{getattr(args, flag)} contradicts the architecture of "
-                                      f"{args.hf_config or args.model_preset} ({want}); leave it out")
+        if flag in given and getattr(args, flag, None) != want:
+            raise ArgumentError(given[flag], f"{getattr(args, flag)} contradicts the architecture of "
+                                             f"{args.hf_config or args.model_preset} ({want}); leave it out")
         setattr(args, flag, want)  # over a Megatron-LM default (--moe-router-topk 2)
     files = [f for f in (args.data_path or []) if not _is_number(f)]
     numbers = [_is_number(f) for f in (args.data_path or [])]
@@ -701,7 +712,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
         check_layout_and_schedule(args, config)
-        validate_glm5_args(args, arch, hf, argv)
+        given = given_options(argv, provider.parser._actions)
+        validate_glm5_args(args, arch, hf, given)
         args.hf_config_dict = hf
         try:  # the parallel layout against the model (heads, experts, layers per stage)
             model_config = model_config_from_args(args, "cpu")
@@ -714,7 +726,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
             # only, and megatron-core's Float16Module refused an fp16 model with a traceback
             _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
-            check_flags_reach_the_model(args, model_config, argv, provider.parser._actions)
+            check_flags_reach_the_model(args, model_config, given)
             unset_global_variables()  # a second parse in one process (tests) replaces the first
             set_global_variables(args, build_tokenizer=False)
             try:  # Megatron-LM's own tokenizer build, its failure named by the flag
@@ -758,22 +770,19 @@ def _same_setting(a, b) -> bool:
     return norm(a) == norm(b) or [str(x) for x in norm(a)] == [str(x) for x in norm(b)]
 
 
-def check_flags_reach_the_model(args: argparse.Namespace, model_config, argv: List[str],
-                                actions: List[argparse.Action]) -> None:
-    """Every flag in ``argv`` that sets a field of the model config must have set it: a Megatron-LM flag that this
-    model takes from its architecture instead (``--hidden-dropout 0.1``, ``--kv-channels 64``) or does not read
-    (``--attention-backend flash``) raises :class:`ArgumentError` naming the flag, rather than training without it."""
-    by_option = {o: a.dest for a in actions for o in a.option_strings}
-    given = {}
-    for token in argv:
-        option = token.split("=", 1)[0]
-        if option.startswith("--") and option in by_option:
-            given.setdefault(by_option[option], option)
+def check_flags_reach_the_model(args: argparse.Namespace, model_config, given: Dict[str, str]) -> None:
+    """Every flag given (:func:`given_options`) that sets a field of the model config must have set it: a
+    Megatron-LM flag that this model takes from its architecture instead (``--hidden-dropout 0.1``, ``--kv-channels
+    64``) or does not read (``--attention-backend flash``) raises :class:`ArgumentError` naming the flag, rather than
+    training without it. The fields the indexer warm-up stage holds (``Glm5Config.WARMUP_HOLDS``) take their flag's
+    value after that stage."""
+    from megatron_glm5.config.schema import Glm5Config
+
+    held = Glm5Config.WARMUP_HOLDS if getattr(model_config, "dsa_indexer_warmup", False) else {}
     for dest, option in given.items():
-        if dest in _FLAGS_READ_BY_THE_TRAINER or not hasattr(model_config, dest) or not hasattr(args, dest):
+        if dest in _FLAGS_READ_BY_THE_TRAINER or dest in held or not hasattr(model_config, dest) \
+                or not hasattr(args, dest):
             continue
-        if dest == "moe_router_bias_update_rate" and getattr(model_config, "dsa_indexer_warmup", False):
-            continue  # the indexer warm-up stage holds the expert bias still; the rate applies after it
         want, got = getattr(args, dest), getattr(model_config, dest)
         if _same_setting(want, got):
             continue
