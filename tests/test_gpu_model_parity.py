@@ -24,6 +24,32 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def _record_selections(model, store: list):
+    """Append each DSA layer's selection ``[b, s, w]`` (the second output) to ``store`` as the layers run."""
+    from megatron_glm5.models.kpool_dsa import Glm5DSAttention
+
+    return [m.register_forward_hook(lambda _m, _a, out: store.append(out[1].detach().clone()))
+            for m in model.modules() if isinstance(m, Glm5DSAttention)]
+
+
+def _take_selections(model, selections: list, flips: list):
+    """Make ``model``'s DSA indexers hand on ``selections`` in call order (the reference run's) instead of their
+    own; each call appends to ``flips`` how many queries its own selection would have changed."""
+    from megatron_glm5.models.kpool_dsa import Glm5DSAttention
+
+    calls = iter(range(10 ** 9))
+    for m in model.modules():
+        if isinstance(m, Glm5DSAttention) and m.indexer is not None:
+            own = m.indexer.forward
+
+            def forward(*args, _own=own, **kwargs):
+                mine = _own(*args, **kwargs)
+                theirs = selections[next(calls) % len(selections)]
+                flips.append(int((mine.sort(-1).values != theirs.sort(-1).values).any(-1).sum()))
+                return theirs
+            m.indexer.forward = forward
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_defaults_match_the_reference_backends(mcore, dtype):
     """Released widths, 2 decoder layers (KDA, then DSA with ``index_topk`` 256 / ``index_kpool`` 4 so the indexer
@@ -31,7 +57,12 @@ def test_cuda_defaults_match_the_reference_backends(mcore, dtype):
     gradient of every parameter, the backends the execution plan picks on this GPU for the dtype (bf16: every fast
     path -- FLA fused KDA, fused sparse MLA, grouped experts, MoE CUDA graphs; fp32: FLA's KDA, the fused sparse
     MLA, megatron-core's experts, no graphs) against ``default_backends('cpu')`` (the PyTorch references) on the
-    same GPU and weights."""
+    same GPU and weights.
+
+    Both models attend over the reference run's selection: the DSA layer's input carries the KDA backend's rounding
+    (FLA's fp32 kernels take TF32 products), and a pool whose score sits that close to the top-k boundary swaps
+    with another, which moves the attention of its query by a whole pool. The number of queries whose own selection
+    differs is printed; the indexer's kernels themselves are the same on both (the plan's, on CUDA)."""
     from bench_train_step import build_ours, proxy_hf_config
 
     from megatron_glm5.models.builder import FAST_BACKENDS, default_backends
@@ -51,6 +82,9 @@ def test_cuda_defaults_match_the_reference_backends(mcore, dtype):
     labels = torch.roll(ids, -1, dims=1)
     cu = torch.tensor([0, 300, 1400, 2048], dtype=torch.int32, device="cuda")
     w = torch.rand(1, sum(lens), generator=gen).cuda()
+    selections, flips = [], []
+    hooks = _record_selections(ref, selections)
+    _take_selections(fast, selections, flips)
     results = {}
     for name, model in (("ref", ref), ("fast", fast)):
         for _ in range(2):  # the second call replays the MoE graphs captured in the first
@@ -59,12 +93,17 @@ def test_cuda_defaults_match_the_reference_backends(mcore, dtype):
             (loss.float() * w).sum().backward()
         results[name] = (loss.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
                                                  if p.grad is not None})
+        for h in hooks:
+            h.remove()
+        hooks = []
+    assert selections and len(flips) == len(selections)
     (loss_r, grads_r), (loss_f, grads_f) = results["ref"], results["fast"]
     assert torch.isfinite(loss_f).all() and all(torch.isfinite(g).all() for g in grads_f.values())
     assert set(grads_f) == set(grads_r) and len(grads_r) > 50
     err_loss = _rel(loss_f, loss_r)
     errs = sorted(((_rel(grads_f[n], grads_r[n]), n) for n in grads_r), reverse=True)
-    print(f"{dtype}: per-token loss {err_loss:.2e}; worst gradients " + ", ".join(f"{n} {e:.2e}" for e, n in errs[:5]))
+    print(f"{dtype}: per-token loss {err_loss:.2e}; worst gradients " + ", ".join(f"{n} {e:.2e}" for e, n in errs[:5])
+          + f"; queries whose own selection differs, per DSA call: {flips} of {sum(lens)}")
     assert err_loss <= BOUNDS[dtype]["loss"]
     assert errs[0][0] <= BOUNDS[dtype]["grad"], errs[:5]
 
