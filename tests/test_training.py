@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -132,6 +133,24 @@ def test_memorise_mock_data(tmp_path):
     assert all(v > 0 for _, v in tags["load_balancing_loss"]) and all(v > 0 for _, v in tags["mtp_1 loss"])
     assert all(v > 0 for _, v in tags["z_loss"])  # Megatron-LM's --moe-z-loss-coeff reaches the routers
     assert "iteration       30/      30" in proc.stdout and "lm loss:" in proc.stdout
+    # Megatron-LM's theoretical memory report counts this rank's own parameters, not its GPT formula's
+    assert "Number of parameters in transformer block" not in proc.stdout
+    weights_mb = re.findall(r"Theoretical memory footprints: weight and optimizer=[0-9.]+ MB \(weights ([0-9.]+),",
+                            proc.stdout)
+    assert weights_mb and abs(float(weights_mb[0]) - 4 * _tiny_parameter_count() / 2 ** 20) <= 0.006, weights_mb
+
+
+def _tiny_parameter_count() -> int:
+    """Parameters of the glm5-tiny preset's model (each tensor once), built in a subprocess."""
+    code = ("from megatron_glm5.initialize import initialize_megatron; initialize_megatron(tp=1, pp=1, ep=1, cp=1, "
+            "seed=1); from megatron_glm5.config import Glm5Config, tiny_hf_config; "
+            "from megatron_glm5.models.builder import build_model; "
+            "m = build_model(Glm5Config.from_hf(tiny_hf_config(mtp=True), use_cpu_initialization=True)); "
+            "print(sum(p.numel() for p in m.parameters()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.strip().splitlines()[-1])
 
 
 def test_memorise_indexed_text(tmp_path, tiny_data):

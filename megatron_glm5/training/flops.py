@@ -57,6 +57,11 @@ def register_model_chunk(module: torch.nn.Module) -> None:
     _MODEL_CHUNKS.append(module)
 
 
+def model_chunks() -> List[torch.nn.Module]:
+    """This rank's model chunks, as the model provider registered them."""
+    return list(_MODEL_CHUNKS)
+
+
 def record_images(iteration: int, image_grid_thw: Optional[torch.Tensor],
                   video_grid_thw: Optional[torch.Tensor] = None) -> None:
     """Count a micro batch's image and video patches (and squared frame lengths) for iteration ``iteration``: the
