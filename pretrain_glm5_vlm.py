@@ -102,7 +102,7 @@ def get_batch(data_iterator, config) -> dict:
     from megatron.core import parallel_state
 
     from megatron_glm5.data.context_parallel import split_batch_for_cp
-    from megatron_glm5.models.packing import make_packed_seq_params
+    from megatron_glm5.models.packing import make_packed_seq_params, packed_seq_params_to, to_device_async
 
     from megatron.training import get_args
 
@@ -127,11 +127,9 @@ def get_batch(data_iterator, config) -> dict:
     else:
         psp = make_packed_seq_params(batch["cu_seqlens"]) if "cu_seqlens" in batch else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-    if psp is not None and device == "cuda":
-        psp.cu_seqlens_q = psp.cu_seqlens_q.to(device)
-        psp.cu_seqlens_kv = psp.cu_seqlens_kv.to(device)
-    batch["packed_seq_params"] = psp
+    # through pinned memory: a copy from pageable memory would wait for the GPU's queued work each micro batch
+    batch = {k: to_device_async(v, device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    batch["packed_seq_params"] = packed_seq_params_to(psp, device, batch["tokens"].shape[1])
     return batch
 
 

@@ -62,4 +62,4 @@ def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_
     :func:`~megatron_glm5.data.collate.collate`."""
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
-                                       pin_memory=False, persistent_workers=num_workers > 0)
+                                       pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)

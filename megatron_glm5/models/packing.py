@@ -67,6 +67,24 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def packed_seq_params_to(packed_seq_params: Optional[PackedSeqParams], device,
+                         seq_len: int) -> Optional[PackedSeqParams]:
+    """``packed_seq_params`` built on the host, its ``cu_seqlens_q`` / ``cu_seqlens_kv`` moved to ``device`` without
+    making the host wait (:func:`to_device_async`), in place. The boundaries of the row of length ``seq_len`` are
+    checked and remembered from the host copy first, so that the layers' :func:`row_boundaries` read no device
+    tensor (a host sync a micro batch otherwise). On the CPU the same steps run (the copy is the tensor itself)."""
+    if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
+        return packed_seq_params
+    row, _ = _checked_row(packed_seq_params, seq_len)
+    q, kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+    q_dev = to_device_async(q.to(torch.int32), device)
+    packed_seq_params.cu_seqlens_q = q_dev
+    if kv is not None:
+        packed_seq_params.cu_seqlens_kv = q_dev if kv is q else to_device_async(kv, device)
+    setattr(packed_seq_params, _CHECKED_ATTR, (q_dev, seq_len, row, {torch.device(device): q_dev}))
+    return packed_seq_params
+
+
 def fla_cu_seqlens(packed_seq_params: PackedSeqParams, seq_len: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(on device, on host)`` int64 boundaries of a packed row for FLA's varlen kernels (``cu_seqlens`` /
     ``cu_seqlens_cpu``): the same two tensor objects for every layer of the step and its backward, because FLA
