@@ -147,8 +147,10 @@ def _tiny_parameter_count() -> int:
             "from megatron_glm5.models.builder import build_model; "
             "m = build_model(Glm5Config.from_hf(tiny_hf_config(mtp=True), use_cpu_initialization=True)); "
             "print(sum(p.numel() for p in m.parameters()))")
+    env = {k: v for k, v in os.environ.items()  # not the process group an in-process test set up
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"))
+                          env=dict(env, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return int(proc.stdout.strip().splitlines()[-1])
 
