@@ -6,6 +6,7 @@ Each test prints the errors it measures. The bounds: fp32 leaves room
 for FLA's TF32 dots inside the KDA kernels; bf16 for rounding and for the routing and pool selections that bf16
 flips (a token moved to another expert moves that expert's gradient by a whole token)."""
 
+import itertools
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ def _take_selections(model, selections: list, flips: list):
     own; each call appends to ``flips`` how many queries its own selection would have changed."""
     from megatron_glm5.models.kpool_dsa import Glm5DSAttention
 
-    calls = iter(range(10 ** 9))
+    calls = itertools.count()
     for m in model.modules():
         if isinstance(m, Glm5DSAttention) and m.indexer is not None:
             own = m.indexer.forward

@@ -28,9 +28,15 @@ def _checked_row(packed_seq_params: PackedSeqParams, seq_len: int):
         raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_len}, got {src.tolist()}")
     if any(b < a for a, b in zip(row[:-1], row[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {row}")
-    on_device = {}
+    return row, _remember_row(packed_seq_params, src, seq_len, row, {})
+
+
+def _remember_row(packed_seq_params: PackedSeqParams, src: torch.Tensor, seq_len: int, row: List[int],
+                  on_device: dict) -> dict:
+    """Keep the checked ``row`` of ``src`` (the ``cu_seqlens_q`` object it was read from) and its device copies
+    ``on_device`` on the params object; returns ``on_device``."""
     setattr(packed_seq_params, _CHECKED_ATTR, (src, seq_len, row, on_device))
-    return row, on_device
+    return on_device
 
 
 def row_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], seq_len: int, device) -> torch.Tensor:
@@ -81,7 +87,7 @@ def packed_seq_params_to(packed_seq_params: Optional[PackedSeqParams], device,
     packed_seq_params.cu_seqlens_q = q_dev
     if kv is not None:
         packed_seq_params.cu_seqlens_kv = q_dev if kv is q else to_device_async(kv, device)
-    setattr(packed_seq_params, _CHECKED_ATTR, (q_dev, seq_len, row, {torch.device(device): q_dev}))
+    _remember_row(packed_seq_params, q_dev, seq_len, row, {torch.device(device): q_dev})
     return packed_seq_params
 
 
