@@ -70,13 +70,13 @@ def wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_
 
 
 def describe_fusion(model_chunks) -> str:
-    """One start-up line: how many linears accumulate their weight gradient into ``main_grad`` (fusion on) and how
-    many leave it to DDP's hook (fusion off for them: those inside MoE CUDA graphs)."""
+    """One start-up line: how many linears accumulate their weight gradient into ``main_grad`` (fusion on; the
+    routed experts' grouped GEMMs and the linears inside MoE CUDA graphs too) and how many leave it to DDP's hook."""
     flags = [m.gradient_accumulation_fusion for chunk in model_chunks for m in chunk.modules()
              if isinstance(getattr(m, "gradient_accumulation_fusion", None), bool) and
              isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
     return (f"gradient-accumulation fusion: {sum(flags)} linears add their weight gradient into main_grad in the "
-            f"GEMM, {len(flags) - sum(flags)} through DDP's hook (inside MoE CUDA graphs)")
+            f"GEMM, {len(flags) - sum(flags)} through DDP's hook")
 
 
 class FusedWeightGradientMlp:

@@ -137,14 +137,16 @@ def test_replay_check_notices_replaced_and_moved_tensors():
     """``_CapturedGraphs.valid_for`` (run before every replay, without walking the module tree unless something was
     registered since): unchanged -> valid; an unrelated module built elsewhere -> still valid; storage moved
     (``.data`` reassigned), a parameter put straight into ``_parameters`` (as ``Module._apply`` may), an assigned
-    ``nn.Parameter``, a new buffer or a replaced submodule -> not valid."""
+    ``nn.Parameter``, a new buffer, a replaced submodule or a fused parameter's ``main_grad`` moved (the captured
+    backward adds into it by address) -> not valid."""
     from megatron_glm5.models.cuda_graphs import _CapturedGraphs
 
     def fresh():
         m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
         m.register_buffer("counts", torch.zeros(3))
+        m[0].weight.main_grad = torch.zeros(4, 4)
         g = object.__new__(_CapturedGraphs)  # only the bookkeeping of the parameters (the capture needs CUDA)
-        g._record_tensors((m,))
+        g._record_tensors((m,), fused=[m[0].weight])
         return m, g
 
     m, g = fresh()
@@ -164,6 +166,9 @@ def test_replay_check_notices_replaced_and_moved_tensors():
     assert not g.valid_for((m,))
     m, g = fresh()
     m[0] = torch.nn.Linear(4, 4)
+    assert not g.valid_for((m,))
+    m, g = fresh()
+    m[0].weight.main_grad = torch.zeros(4, 4)
     assert not g.valid_for((m,))
 
 
@@ -290,6 +295,78 @@ def test_graphs_match_eager_with_gradient_accumulation(mcore):
     _assert_same(eager, graphed, tol, rel=4e-3)
     _assert_counts_equal(m.router.local_tokens_per_expert - counts1, eager_counts)
     assert all(torch.isfinite(t).all() for d in graphed[2] for t in d.values())
+
+
+def _give_main_grads(m):
+    """megatron DDP's contract on ``m``'s parameters, without DDP: an fp32 ``main_grad`` each (the experts' back to
+    back in one buffer per weight set, as the distributed optimizer's expert layout places them), a
+    ``grad_added_to_main_grad`` flag, and a hook that adds a ``.grad`` not already added into ``main_grad`` and
+    drops it (DDP's ``_make_backward_post_hook``)."""
+    for weights in m.experts.expert_weight_sets():
+        buf = torch.zeros(len(weights), *weights[0].shape, device="cuda")
+        for e, w in enumerate(weights):
+            w.main_grad = buf[e]
+    for p in m.parameters():
+        if not hasattr(p, "main_grad"):
+            p.main_grad = torch.zeros(p.shape, device="cuda")
+        p.grad_added_to_main_grad = False
+
+        def hook(p):
+            if not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad)
+            p.grad = None
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def _main_grad_steps(m, call, batches, micro=2):
+    """``micro``-batch steps of ``m`` (after :func:`_give_main_grads`): every parameter's ``main_grad`` after each
+    step, then zeroed with the flags reset (``DistributedDataParallel.zero_grad_buffer``)."""
+    out = []
+    for i in range(0, len(batches), micro):
+        for x, w in batches[i:i + micro]:
+            (call(x.clone().requires_grad_(True)).float() * w).sum().backward()
+        out.append({n: p.main_grad.clone() for n, p in m.named_parameters()})
+        for p in m.parameters():
+            p.main_grad.zero_()
+            p.grad_added_to_main_grad = False
+    return out
+
+
+@cuda
+def test_graphs_add_fused_weight_gradients_into_main_grad(mcore):
+    """Gradient-accumulation fusion inside the graphs: with DDP's ``main_grad`` contract (:func:`_give_main_grads`)
+    and the fusion on, the captured backward adds the experts' grouped weight gradients and the shared expert's
+    linear ones into ``main_grad`` by address (every replay marks them ``grad_added_to_main_grad``); three steps of
+    two micro batches give the eager fused run's main_grads, and those equal the unfused run's (to about one bf16
+    rounding of the largest entry: the unfused run rounds each gradient to bf16 before adding it). The graphs'
+    warm-up adds nothing to main_grad (the first step would differ)."""
+    from megatron_glm5 import mcore_extensions as ext
+
+    ext.install()
+    runs = {}
+    for name, fusion in (("unfused", False), ("eager", True), ("graphs", True)):
+        m = _moe("cuda", gradient_accumulation_fusion=fusion)
+        _give_main_grads(m)
+        batches = _inputs(m, 6)
+        call = _eager(m)
+        if name == "graphs":
+            g = GraphedModule(m, call)
+            call = g
+        runs[name] = _main_grad_steps(m, call, batches)
+        if name == "graphs":
+            (graphs,) = g.graphs.values()
+            assert g.replays == 6 and g.eager_calls == 0
+            fused = {id(p) for p, f in zip(graphs.params, graphs.fused) if f}
+            experts = [w for ws in m.experts.expert_weight_sets() for w in ws]
+            assert all(id(w) in fused for w in experts)
+            assert id(m.shared_experts.linear_fc1.weight) in fused
+    for a, b in zip(runs["graphs"], runs["eager"]):
+        for n in b:
+            assert _diff(a[n], b[n]) <= 4e-3 * b[n].abs().max().item(), n
+    for a, b in zip(runs["eager"], runs["unfused"]):
+        for n in b:
+            assert _diff(a[n], b[n]) <= 8e-3 * b[n].abs().max().item(), n
+        assert all(torch.isfinite(t).all() for t in a.values())
 
 
 def _aux_loss_steps(m, call, batches, scales, micro=2):

@@ -81,6 +81,56 @@ def test_grouped_matches_sequential_cpu(mcore, force_grouped):
         assert _rel(g_g[n], g_s[n]) < 1e-6, n
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: megatron's router moves a CPU weight to the GPU "
+                                                      "where there is one (it failed on the H200)")
+@pytest.mark.parametrize("layout", ["back_to_back", "split"])
+def test_grouped_weight_gradients_go_into_main_grad_cpu(mcore, layout):
+    """Gradient-accumulation fusion on the experts' linears, every expert weight carrying a ``main_grad`` and
+    ``grad_added_to_main_grad`` (megatron DDP's contract), grouped path on CPU: over two micro batches the grouped
+    GEMMs add their weight gradients into main_grads laid out back to back (as the distributed optimizer's expert
+    layout places them) equal to the unfused run's summed ``.grad`` (1e-6), and mark the weights
+    ``grad_added_to_main_grad``; main_grads that are separate tensors keep autograd's path (``.grad`` the sum,
+    main_grad untouched). The other parameters' gradients and the input's equal the unfused run's either way."""
+    _, grp = _moe_pair()
+    grp.experts.plan = grp.experts.plan.replace(grouped_experts_on_cpu=True)
+    torch.manual_seed(3)
+    s, h = 9, grp.config.hidden_size
+    batches = [(torch.randn(s, 1, h), torch.randn(s, 1, h)) for _ in range(2)]
+    linears = [getattr(e, name) for e in grp.experts.local_experts for name in ("linear_fc1", "linear_fc2")]
+    experts = {id(lin.weight) for lin in linears}
+
+    def two_micro_batches():
+        dx = []
+        for x, w in batches:
+            xi = x.clone().requires_grad_(True)
+            (grp(xi)[0] * w).sum().backward()
+            dx.append(xi.grad)
+        return dx
+
+    dx_ref = two_micro_batches()
+    ref = {n: p.grad.clone() for n, p in grp.named_parameters()}
+    grp.zero_grad(set_to_none=True)
+    for lin in linears:
+        lin.gradient_accumulation_fusion = True
+    buffers = []
+    for weights in grp.experts.expert_weight_sets():
+        buf = torch.zeros(len(weights), *weights[0].shape)
+        buffers.append(buf)
+        for e, wt in enumerate(weights):
+            wt.main_grad = buf[e] if layout == "back_to_back" else torch.zeros_like(buf[e])
+            wt.grad_added_to_main_grad = False
+    dx = two_micro_batches()
+    assert all(_rel(a, b) < 1e-6 for a, b in zip(dx, dx_ref))
+    for n, p in grp.named_parameters():
+        if id(p) not in experts:
+            assert _rel(p.grad, ref[n]) < 1e-6, n
+        elif layout == "back_to_back":
+            assert p.grad_added_to_main_grad and _rel(p.main_grad, ref[n]) < 1e-6, n
+        else:
+            assert not p.grad_added_to_main_grad and not p.main_grad.any() and _rel(p.grad, ref[n]) < 1e-6, n
+    assert all(buf.abs().sum() > 0 for buf in buffers) == (layout == "back_to_back")
+
+
 @pytest.mark.gpu
 def test_grouped_matches_sequential_gpu_bf16(mcore):
     """bf16 on the GPU: torch._grouped_mm against the per-expert loop (both bf16 GEMMs with fp32 accumulation)."""

@@ -8,7 +8,7 @@ tests/test_pool_mass.py: the variable is read when the kernels are decorated), w
 relative errors (and the edge-case facts the tests assert); the tests below read it.
 
 Kernels: rms_norm, mhc (input and output side), sinkhorn (Sinkhorn alone and the mHC weights), indexer_scores
-(scores and masked sort keys), cross_entropy, glu, short_conv, gather_sum. fp32 everywhere; 16-bit inputs where a
+(scores and masked sort keys), cross_entropy, glu, short_conv, gather_sum, grouped_wgrad. fp32 everywhere; 16-bit inputs where a
 kernel takes them: fp16 (the same code path as bf16 in kernels without bf16 dots), and bf16 to one bf16 step per
 rounding, because Triton 3.7.1's interpreter converts fp32 to bf16 by truncation (PyTorch rounds to nearest) and multiplies
 bf16 ``tl.dot`` operands as their uint16 bit patterns (so the bf16-dot paths, mHC's bf16 streams and the indexer's
@@ -383,8 +383,43 @@ def _gather_sum() -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- grouped_wgrad
+def _grouped_wgrad() -> dict:
+    """Tiles of 16 x 16 outputs, 8 rows a step, tile rows walked 2 together: x ``[27, 40]`` (a row-strided view),
+    dy ``[27, 37]``, 4 groups of 5, 0, 19 and 1 rows (offs ``[5, 5, 24, 25]``: an empty group, partial row steps, two
+    trailing rows in none), main_grad ``[4, 37, 40]`` fp32 starting random (3 x 3 tiles a group, partial last ones):
+    the accumulated main_grad against an fp64 sum and against ``grouped_wgrad_accum_reference``, for fp32 and fp16
+    x / dy; the empty group's slice bitwise unchanged."""
+    from megatron_glm5.kernels import grouped_wgrad as k
+
+    _set(k, BLOCK_N=16, BLOCK_K=16, BLOCK_T=8, GROUP_N=2)
+    gen = torch.Generator().manual_seed(8)
+    T, K, N = 27, 40, 37
+    wide = torch.randn(T, K + 5, generator=gen)
+    dy = torch.randn(T, N, generator=gen)
+    offs = torch.tensor([5, 5, 24, 25], dtype=torch.int32)
+    start = torch.randn(4, N, K, generator=gen)
+    out = {}
+    for dt in (torch.float32, torch.float16):
+        x = wide[:, :K].to(dt) if dt == torch.float32 else wide[:, :K].contiguous().to(dt)
+        dyd = dy.to(dt)
+        got = start.clone()
+        k._launch(x, dyd, offs, got)
+        want = start.double().clone()
+        lo = 0
+        for e, hi in enumerate(offs.tolist()):
+            want[e] += dyd[lo:hi].double().t() @ x[lo:hi].double()
+            lo = hi
+        ref = start.clone()
+        k.grouped_wgrad_accum_reference(x, dyd, offs, ref)
+        out[str(dt)[6:]] = dict(vs_fp64=_rel(got, want), vs_reference=_rel(got, ref),
+                                empty_group_unchanged=bool(torch.equal(got[1], start[1])))
+    return out
+
+
 KERNELS = dict(rms_norm=_rms_norm, mhc=_mhc, sinkhorn=_sinkhorn, indexer_scores=_indexer_scores,
-               cross_entropy=_cross_entropy, glu=_glu, short_conv=_short_conv, gather_sum=_gather_sum)
+               cross_entropy=_cross_entropy, glu=_glu, short_conv=_short_conv, gather_sum=_gather_sum,
+               grouped_wgrad=_grouped_wgrad)
 
 
 def _interpreter_checks(names=None) -> dict:
@@ -525,6 +560,17 @@ def test_gather_sum(interpreted):
     assert r["strided"] <= 1e-6 and r["h1"] <= 1e-6, r
     _within(r["float16"], FP16_STEP)
     _within(r["bfloat16"], BF16_STEP)
+
+
+def test_grouped_wgrad(interpreted):
+    """The grouped weight-gradient kernel (16 x 16 output tiles, 8-row steps; shapes in ``_grouped_wgrad``'s
+    docstring: an empty group, partial tiles and steps, rows past the last group, a row-strided x) accumulated into a
+    random fp32 main_grad against an fp64 sum and ``grouped_wgrad_accum_reference`` to 1e-6, fp32 and fp16 inputs;
+    the empty group's slice untouched."""
+    r = interpreted["grouped_wgrad"]
+    for dt in ("float32", "float16"):
+        assert r[dt]["empty_group_unchanged"], r
+        _within(r[dt], 1e-6)
 
 
 if __name__ == "__main__":

@@ -165,23 +165,43 @@ def test_wgrad_bf16_on_cuda_is_one_fp32_gemm_in_place_gpu():
     assert err <= 1e-5, err  # fp32 accumulation (a bf16 output would be ~4e-3)
 
 
-def test_graphed_parts_run_without_the_fusion_and_the_start_up_line_counts_them():
-    """Linears inside a GraphedModule's parts leave their gradient to DDP's hook (the captured backward takes
-    gradients of parameter views, which have no main_grad); the start-up line counts both kinds."""
-    from megatron_glm5.models.cuda_graphs import GraphedModule
+def test_graphed_parts_keep_the_fusion_and_the_start_up_line_counts_the_linears():
+    """A GraphedModule leaves its parts' fusion flags as they are (the captured backward adds into main_grad through
+    the parameter views' ``main_grad``); ``fusion_off`` (its warm-up's gradient check) turns them off within its
+    block only; the start-up line counts fused and unfused linears."""
+    from megatron_glm5.models.cuda_graphs import GraphedModule, fusion_off
 
-    def linear():
+    def linear(fused):
         lin = torch.nn.Linear(4, 4, bias=False)
-        lin.gradient_accumulation_fusion = True
+        lin.gradient_accumulation_fusion = fused
         return lin
 
     layer = torch.nn.Module()
-    layer.attn, layer.mlp = torch.nn.Sequential(linear(), linear()), torch.nn.Sequential(linear())
+    layer.attn, layer.mlp = torch.nn.Sequential(linear(True), linear(False)), torch.nn.Sequential(linear(True))
+    flags = lambda: [m.gradient_accumulation_fusion for m in layer.modules()  # noqa: E731
+                     if hasattr(m, "gradient_accumulation_fusion")]
     GraphedModule(layer, lambda x: layer.mlp(x), parts=("mlp",))
-    assert [m.gradient_accumulation_fusion for m in layer.modules() if hasattr(m, "gradient_accumulation_fusion")] \
-        == [True, True, False]
-    assert ext.describe_fusion([layer]).startswith(
-        "gradient-accumulation fusion: 2 linears add their weight gradient into main_grad in the GEMM, 1 through")
+    assert flags() == [True, False, True]
+    with fusion_off([layer.mlp]):
+        assert flags() == [True, False, False]
+    assert flags() == [True, False, True]
+    assert ext.describe_fusion([layer]) == ("gradient-accumulation fusion: 2 linears add their weight gradient into "
+                                            "main_grad in the GEMM, 1 through DDP's hook")
+
+
+def test_parameter_views_of_a_graph_carry_main_grad():
+    """The views a captured graph takes gradients of carry their parameter's ``main_grad`` (the same tensor) and
+    ``zero_out_wgrad``, with ``grad_added_to_main_grad`` starting False whatever the parameter's flag."""
+    from megatron_glm5.models.cuda_graphs import aliased_parameters
+
+    lin = torch.nn.Linear(3, 2, bias=True)
+    main_grad = torch.zeros(2, 3)
+    lin.weight.main_grad, lin.weight.grad_added_to_main_grad, lin.weight.zero_out_wgrad = main_grad, True, True
+    with aliased_parameters(lin, [lin.weight, lin.bias]) as (w, b):
+        assert lin.weight is w and w.main_grad is main_grad
+        assert w.data_ptr() == lin.weight.data_ptr() and w.grad_added_to_main_grad is False and w.zero_out_wgrad
+        assert not hasattr(b, "main_grad") and not hasattr(b, "grad_added_to_main_grad")
+    assert isinstance(lin.weight, torch.nn.Parameter) and lin.weight.grad_added_to_main_grad is True
 
 
 def test_embedding_gradient_goes_into_main_grad(mcore):

@@ -81,7 +81,7 @@ def aliased_parameters(module: torch.nn.Module, params: Sequence[torch.nn.Parame
     they were created on and may be kept alive from outside (megatron's DDP holds them for its gradient hooks); a
     capture that waits on the default stream is invalidated.
     """
-    aliases = {id(p): p.view_as(p) for p in params}
+    aliases = {id(p): _alias(p) for p in params}
     swapped = []
     try:
         for mod in module.modules():
@@ -93,6 +93,39 @@ def aliased_parameters(module: torch.nn.Module, params: Sequence[torch.nn.Parame
     finally:
         for mod, name, p in swapped:
             mod._parameters[name] = p
+
+
+_MAIN_GRAD_ATTRIBUTES = ("main_grad", "zero_out_wgrad")
+
+
+def _alias(p: torch.nn.Parameter) -> torch.Tensor:
+    """A view of ``p`` carrying megatron DDP's attributes of it (``main_grad``, ``zero_out_wgrad``), so that a fused
+    weight gradient taken inside a captured graph adds into the parameter's own ``main_grad``; its
+    ``grad_added_to_main_grad`` starts False and tells afterwards whether the backward did (read by
+    :class:`_CapturedGraphs`, which sets the parameter's flag at every replay)."""
+    alias = p.view_as(p)
+    for name in _MAIN_GRAD_ATTRIBUTES:
+        if hasattr(p, name):
+            setattr(alias, name, getattr(p, name))
+    if hasattr(p, "grad_added_to_main_grad"):
+        alias.grad_added_to_main_grad = False
+    return alias
+
+
+@contextlib.contextmanager
+def fusion_off(parts: Sequence[torch.nn.Module]):
+    """Within the block every submodule of ``parts`` with a ``gradient_accumulation_fusion`` flag has it off
+    (restored after): their weight gradients then reach the parameters through autograd, not ``main_grad``."""
+    flagged = [m for part in parts for m in part.modules()
+               if isinstance(getattr(m, "gradient_accumulation_fusion", None), bool)]
+    flags = [m.gradient_accumulation_fusion for m in flagged]
+    try:
+        for m in flagged:
+            m.gradient_accumulation_fusion = False
+        yield
+    finally:
+        for m, f in zip(flagged, flags):
+            m.gradient_accumulation_fusion = f
 
 
 def check_aliases_carry_gradients(module: torch.nn.Module, params: Sequence[torch.nn.Parameter],
@@ -185,11 +218,15 @@ class _CapturedGraphs:
         stream = torch.cuda.Stream(device=x.device)
         stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, autotunes, lazy inits, cuBLAS handles
-            for i in range(max(warmup, 1)):
-                out, x_alias, aliases = self._aliased_forward(module, fn)
-                leaves = tuple(self.params) if i == 0 else ()
-                grads = torch.autograd.grad(out, (x_alias, *aliases, *leaves), torch.ones_like(out),
-                                            allow_unused=True)
+            for i in range(max(warmup, 2)):
+                # the first call checks the parameters' gradients (fusion off: all through autograd); the others
+                # run the fused weight gradients too, with a zero output gradient, which adds exact zeros to the
+                # parameters' main_grad (every weight gradient is linear in it)
+                with fusion_off(parts) if i == 0 else contextlib.nullcontext():
+                    out, x_alias, aliases = self._aliased_forward(module, fn)
+                    leaves = tuple(self.params) if i == 0 else ()
+                    grad_out = torch.ones_like(out) if i == 0 else torch.zeros_like(out)
+                    grads = torch.autograd.grad(out, (x_alias, *aliases, *leaves), grad_out, allow_unused=True)
                 if leaves:
                     check_aliases_carry_gradients(module, self.params, grads[1:1 + len(aliases)],
                                                   grads[1 + len(aliases):])
@@ -207,6 +244,8 @@ class _CapturedGraphs:
                                             allow_unused=True)
             self.static_grad_x = grads[0]
             self.static_grad_params = list(grads[1:])
+            # the parameters whose captured backward adds their gradient into main_grad itself
+            self.fused = [bool(getattr(a, "grad_added_to_main_grad", False)) for a in aliases]
         finally:
             with torch.no_grad():  # the warm-up and capture calls ran the module: undo their in-place updates
                 for b, s in zip(buffers, saved):
@@ -218,7 +257,7 @@ class _CapturedGraphs:
                         t.copy_(metrics[k][1])
                     else:  # a tracker entry the warm-up made: it starts at zero, as the eager call's would
                         t.zero_()
-        self._record_tensors(parts)
+        self._record_tensors(parts, [p for p, fused in zip(self.params, self.fused) if fused])
         self.in_flight: Optional[weakref.ref] = None
 
     def _aliased_forward(self, module: torch.nn.Module, fn: Callable):
@@ -235,11 +274,13 @@ class _CapturedGraphs:
         return [(d, name, t) for part in parts for m in part.modules() for d in (m._parameters, m._buffers)
                 for name, t in d.items() if t is not None]
 
-    def _record_tensors(self, parts: Sequence[torch.nn.Module]):
-        """The parts' parameters and buffers, their addresses and the registration count they were read at, and
-        megatron-core's aux-loss tensors (:func:`aux_loss_state`, after the warm-up made any the layer uses)."""
+    def _record_tensors(self, parts: Sequence[torch.nn.Module], fused: Sequence[torch.nn.Parameter] = ()):
+        """The parts' parameters and buffers, their addresses and the registration count they were read at,
+        megatron-core's aux-loss tensors (:func:`aux_loss_state`, after the warm-up made any the layer uses), and
+        the ``fused`` parameters, whose ``main_grad`` the captured backward adds into by address."""
+        self.fused_params = tuple(fused)
         self.slots = self._slots(parts)
-        self.addresses = tuple(t.data_ptr() for _, _, t in self.slots)
+        self.addresses = tuple(t.data_ptr() for _, _, t in self.slots) + self._main_grad_addresses()
         self.registrations = _REGISTRATIONS[0]
         self.external = aux_loss_state()
 
@@ -257,8 +298,12 @@ class _CapturedGraphs:
             self.slots, self.registrations = slots, _REGISTRATIONS[0]
         external = aux_loss_state() if self.external else {}
         return (all(d.get(name) is t for d, name, t in self.slots)
-                and tuple(t.data_ptr() for _, _, t in self.slots) == self.addresses
+                and tuple(t.data_ptr() for _, _, t in self.slots) + self._main_grad_addresses() == self.addresses
                 and all(external.get(k) is t for k, t in self.external.items()))
+
+    def _main_grad_addresses(self) -> tuple:
+        """Where the fused parameters' ``main_grad`` s are (the captured backward adds into them by address)."""
+        return tuple(p.main_grad.data_ptr() for p in self.fused_params)
 
     def busy(self) -> bool:
         return self.in_flight is not None and self.in_flight() is not None
@@ -293,6 +338,9 @@ class _Replay(torch.autograd.Function):
         graphs.release_grads()
         graphs.static_grad_out.copy_(grad_out)
         graphs.bwd.replay()
+        for p, fused in zip(graphs.params, graphs.fused):
+            if fused:  # megatron's contract of a fused weight gradient: DDP's hook adds nothing
+                p.grad_added_to_main_grad = True
         graphs.in_flight = None
         ctx.token = None
         grads_params = [None if g is None else g.detach() for g in graphs.static_grad_params]
@@ -311,19 +359,16 @@ class GraphedModule:
 
     Not a ``nn.Module`` on purpose: it owns no parameters (``module``'s stay where they are, in its state dict).
 
-    The linears of the graphed parts run without megatron-core's gradient-accumulation fusion: it writes into the
-    parameters' ``main_grad`` itself, which the captured backward (gradients of parameter views) cannot; their
-    gradients reach ``main_grad`` through DDP's hook, as in eager mode without the fusion.
+    megatron-core's gradient-accumulation fusion runs inside the graphs: the parameter views carry their
+    parameter's ``main_grad`` (:func:`_alias`), so the captured backward adds the fused weight gradients (the
+    linears', the grouped experts') into the parameters' ``main_grad`` by address, and each replay marks those
+    parameters ``grad_added_to_main_grad`` for DDP's hook. A replay checks that the ``main_grad`` s have not moved.
     """
 
     def __init__(self, module: torch.nn.Module, fn: Callable, max_graphs: int = 2, warmup: int = 2,
                  parts: Sequence[str] = ()):
         self.module, self.fn = module, fn
         self.part_names = tuple(parts)
-        for part in self.parts():
-            for sub in part.modules():
-                if getattr(sub, "gradient_accumulation_fusion", False):
-                    sub.gradient_accumulation_fusion = False
         self.max_graphs, self.warmup = max_graphs, warmup
         self.graphs: Dict[tuple, _CapturedGraphs] = {}
         self.eager_calls = 0

@@ -29,6 +29,12 @@ fc2, expert 7's fc1, expert 6's fc2, ... :func:`install_expert_buffer_layout` ha
 ``GroupedExperts``' weights in the order that lays them out as ``fc1[0..E-1], fc2[0..E-1]`` back to back
 (:func:`expert_weights_back_to_back`), so the alias survives the trainer. Where the buffer still splits a set (a
 bucket boundary inside it), :func:`stacked_weights` falls back to ``torch.stack``: same numbers, one copy.
+
+**Gradient-accumulation fusion** (megatron-core's ``gradient_accumulation_fusion``, on in the trainer): the same
+layout places the experts' fp32 ``main_grad`` s back to back, so the weight gradient of each grouped GEMM is summed
+in fp32 and added straight into them (:class:`GroupedLinearIntoMainGrad`, ``kernels/grouped_wgrad.py``) instead of
+being written in bf16 for DDP's hook to add to ``main_grad`` each micro batch; autograd gets megatron-core's dummy
+gradient and ``grad_added_to_main_grad`` is set, as megatron-core's fused linears do.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_glm5.execution_plan import plan_of
 
-__all__ = ["GroupedExperts", "expert_weights_back_to_back", "grouped_glu", "install_expert_buffer_layout",
-           "stacked_weights"]
+__all__ = ["GroupedExperts", "GroupedLinearIntoMainGrad", "expert_weights_back_to_back", "grouped_glu",
+           "install_expert_buffer_layout", "main_grads_back_to_back", "stacked_weights"]
 
 
 def _stacked_alias(weights) -> torch.Tensor | None:
@@ -123,6 +129,53 @@ def stacked_weights(weights) -> torch.Tensor:
     The alias is a new tensor to autograd: in-place edits of the weights between forward and backward (which no
     training step makes) are not caught by its version counter."""
     return _StackedWeights.apply(*weights)
+
+
+def main_grads_back_to_back(weights, fusion: bool, device: torch.device) -> torch.Tensor | None:
+    """``[E, out, in]`` alias of the weights' ``main_grad`` s where the fused weight gradient applies to them, else
+    ``None``: ``fusion`` on (their linears' ``gradient_accumulation_fusion``), every weight carrying megatron DDP's
+    ``main_grad`` and ``grad_added_to_main_grad``, the main gradients back to back in one buffer (the expert buffer
+    layout) and, on CUDA, fp32 (the kernel's accumulator; a 16-bit ``main_grad`` keeps DDP's add)."""
+    if not fusion or not all(hasattr(w, "grad_added_to_main_grad") and getattr(w, "main_grad", None) is not None
+                             for w in weights):
+        return None
+    grads = [w.main_grad for w in weights]
+    if device.type == "cuda" and grads[0].dtype != torch.float32:
+        return None
+    if any(g.shape != w.shape or g.device != device for g, w in zip(grads, weights)):
+        return None
+    return _stacked_alias(grads)
+
+
+class GroupedLinearIntoMainGrad(torch.autograd.Function):
+    """``(x [T, in], offs [E], main_grads [E, out, in], *weights [out, in]) -> y [T, out]``, ``y = x @ W[e]^T`` on
+    each group's rows (``torch._grouped_mm``), whose backward returns ``dx = dy @ W[e]`` and adds ``dy^T @ x`` per
+    group into ``main_grads`` (:func:`megatron_glm5.kernels.grouped_wgrad.grouped_wgrad_accum`: fp32 sums, no
+    host synchronisation). The weights get megatron-core's contract of a fused weight gradient: a dummy gradient
+    (zeros where a weight is marked ``zero_out_wgrad``) and ``grad_added_to_main_grad = True``, so DDP's hook does
+    not add it again."""
+
+    @staticmethod
+    def forward(ctx, x, offs, main_grads, *weights):
+        w = _stacked_alias(weights)
+        w = torch.stack(weights) if w is None else w                                    # [E, out, in]
+        ctx.save_for_backward(x, offs, w)
+        ctx.main_grads, ctx.weights = main_grads, weights
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from megatron_glm5.kernels.grouped_wgrad import grouped_wgrad_accum
+
+        x, offs, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, w, offs=offs) if ctx.needs_input_grad[0] else None
+        grouped_wgrad_accum(x, dy, offs, ctx.main_grads)
+        zero = any(getattr(wt, "zero_out_wgrad", False) for wt in ctx.weights)
+        dummy = (torch.zeros if zero else torch.empty)(w.shape, dtype=x.dtype, device=x.device)
+        for wt in ctx.weights:
+            wt.grad_added_to_main_grad = True
+        return (dx, None, None, *dummy.unbind(0))
 
 
 def grouped_glu(y1: torch.Tensor, probs: torch.Tensor, config) -> torch.Tensor:
@@ -214,8 +267,21 @@ class GroupedExperts(SequentialMLP):
         counts = torch.as_tensor(tokens_per_expert).to(device=x.device, non_blocking=True)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         fc1_weights, fc2_weights = self.expert_weight_sets()
-        w1 = stacked_weights(fc1_weights).transpose(1, 2)   # [E, h, 2F]
-        w2 = stacked_weights(fc2_weights).transpose(1, 2)   # [E, F, h]
-        y1 = torch._grouped_mm(x, w1.to(x.dtype), offs=offs)
-        a = self._glu(y1, permuted_probs)
-        return torch._grouped_mm(a, w2.to(x.dtype), offs=offs), None
+        y1 = self._grouped_linear(x, offs, fc1_weights, self.local_experts[0].linear_fc1)       # [T, 2F]
+        a = self._glu(y1, permuted_probs)                                                        # [T, F]
+        return self._grouped_linear(a, offs, fc2_weights, self.local_experts[0].linear_fc2), None
+
+    @staticmethod
+    def _grouped_linear(x: torch.Tensor, offs: torch.Tensor, weights, linear) -> torch.Tensor:
+        """``x [T, in]`` times each group's weight ``[out, in]`` transposed -> ``[T, out]``: with the weight
+        gradient added into ``main_grad`` (:class:`GroupedLinearIntoMainGrad`) where ``linear`` (the experts' fc1
+        or fc2) has gradient-accumulation fusion on and :func:`main_grads_back_to_back` finds the buffer, else
+        through autograd of ``torch._grouped_mm``."""
+        main_grads = None
+        if weights[0].dtype == x.dtype and torch.is_grad_enabled() and weights[0].requires_grad:
+            main_grads = main_grads_back_to_back(weights, getattr(linear, "gradient_accumulation_fusion", False),
+                                                 x.device)
+        if main_grads is not None:
+            return GroupedLinearIntoMainGrad.apply(x, offs, main_grads, *weights)
+        w = stacked_weights(weights).transpose(1, 2)                                             # [E, in, out]
+        return torch._grouped_mm(x, w.to(x.dtype), offs=offs)
