@@ -338,13 +338,13 @@ def test_graphs_add_fused_weight_gradients_into_main_grad(mcore):
     and the fusion on, the captured backward adds the experts' grouped weight gradients and the shared expert's
     linear ones into ``main_grad`` by address (every replay marks them ``grad_added_to_main_grad``); three steps of
     two micro batches give the eager fused run's main_grads, and those equal the unfused run's (to about one bf16
-    rounding of the largest entry: the unfused run rounds each gradient to bf16 before adding it). The graphs'
-    warm-up adds nothing to main_grad (the first step would differ)."""
+    rounding of the largest entry: the unfused run rounds each gradient to bf16 before adding it; plus what two
+    eager fused runs differ by). The graphs' warm-up adds nothing to main_grad (the first step would differ)."""
     from megatron_glm5 import mcore_extensions as ext
 
     ext.install()
     runs = {}
-    for name, fusion in (("unfused", False), ("eager", True), ("graphs", True)):
+    for name, fusion in (("unfused", False), ("eager", True), ("eager2", True), ("graphs", True)):
         m = _moe("cuda", gradient_accumulation_fusion=fusion)
         _give_main_grads(m)
         batches = _inputs(m, 6)
@@ -360,13 +360,15 @@ def test_graphs_add_fused_weight_gradients_into_main_grad(mcore):
             experts = [w for ws in m.experts.expert_weight_sets() for w in ws]
             assert all(id(w) in fused for w in experts)
             assert id(m.shared_experts.linear_fc1.weight) in fused
+    tol = max(_diff(a[n], b[n]) for a, b in zip(runs["eager"], runs["eager2"]) for n in a)
     for a, b in zip(runs["graphs"], runs["eager"]):
         for n in b:
-            assert _diff(a[n], b[n]) <= 4e-3 * b[n].abs().max().item(), n
+            assert _diff(a[n], b[n]) <= tol + 4e-3 * b[n].abs().max().item(), n
     for a, b in zip(runs["eager"], runs["unfused"]):
         for n in b:
-            assert _diff(a[n], b[n]) <= 8e-3 * b[n].abs().max().item(), n
+            assert _diff(a[n], b[n]) <= tol + 8e-3 * b[n].abs().max().item(), n
         assert all(torch.isfinite(t).all() for t in a.values())
+    assert all(a[n].abs().max() > 0 for a in runs["graphs"] for n in a if "experts" in n)
 
 
 def _aux_loss_steps(m, call, batches, scales, micro=2):
