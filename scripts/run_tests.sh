@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 MEGATRON_GLM5_EXTRAS=test
 source scripts/python_env.sh
 "$PY" -m ruff check .
-"$PY" -m pytest -q -m "not slow" "$@"
+"$PY" -m pytest -q -m "not slow" --durations=25 "$@"
