@@ -64,6 +64,12 @@ def _stacked_alias(weights) -> torch.Tensor | None:
                                          (n, *w0.stride()))
 
 
+def _stacked(weights) -> torch.Tensor:
+    """``[E, *w.shape]``: the alias of :func:`_stacked_alias` where there is one (no copy), else ``torch.stack``."""
+    alias = _stacked_alias(weights)
+    return torch.stack(weights) if alias is None else alias
+
+
 def expert_weights_back_to_back(params: list) -> list:
     """``params`` (a model chunk's trainable parameters, in module order) with each :class:`GroupedExperts`' expert
     weights reordered in place of their block: ``fc2[E-1], ..., fc2[0], fc1[E-1], ..., fc1[0]``, so that a layout
@@ -114,8 +120,7 @@ class _StackedWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *weights):
-        alias = _stacked_alias(weights)
-        return torch.stack(weights) if alias is None else alias
+        return _stacked(weights)
 
     @staticmethod
     def backward(ctx, grad):
@@ -157,8 +162,7 @@ class GroupedLinearIntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offs, main_grads, *weights):
-        w = _stacked_alias(weights)
-        w = torch.stack(weights) if w is None else w                                    # [E, out, in]
+        w = _stacked(weights)                                                           # [E, out, in]
         ctx.save_for_backward(x, offs, w)
         ctx.main_grads, ctx.weights = main_grads, weights
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
