@@ -90,7 +90,8 @@ def test_grouped_weight_gradients_go_into_main_grad_cpu(mcore, layout):
     GEMMs add their weight gradients into main_grads laid out back to back (as the distributed optimizer's expert
     layout places them) equal to the unfused run's summed ``.grad`` (1e-6), and mark the weights
     ``grad_added_to_main_grad``; main_grads that are separate tensors keep autograd's path (``.grad`` the sum,
-    main_grad untouched). The other parameters' gradients and the input's equal the unfused run's either way."""
+    main_grad untouched). The other parameters' gradients and the input's equal the unfused run's either way; the
+    start-up line (`describe_fusion`) counts the expert linears as fused or as falling back accordingly."""
     _, grp = _moe_pair()
     grp.experts.plan = grp.experts.plan.replace(grouped_experts_on_cpu=True)
     torch.manual_seed(3)
@@ -129,6 +130,15 @@ def test_grouped_weight_gradients_go_into_main_grad_cpu(mcore, layout):
         else:
             assert not p.grad_added_to_main_grad and not p.main_grad.any() and _rel(p.grad, ref[n]) < 1e-6, n
     assert all(buf.abs().sum() > 0 for buf in buffers) == (layout == "back_to_back")
+    from megatron_glm5.mcore_extensions import describe_fusion
+
+    others = [m for m in grp.modules() if hasattr(m, "gradient_accumulation_fusion") and m not in linears]
+    assert others and not any(m.gradient_accumulation_fusion for m in others)  # the shared expert's
+    fused = len(linears) if layout == "back_to_back" else 0
+    fallback = "" if layout == "back_to_back" else f" ({len(linears)} routed-expert linears: their main_grads are not"
+    assert describe_fusion([grp]).startswith(
+        f"gradient-accumulation fusion: {fused} linears add their weight gradient into main_grad in the GEMM, "
+        f"{len(linears) + len(others) - fused} through DDP's hook{fallback}"), describe_fusion([grp])
 
 
 @pytest.mark.gpu
