@@ -43,11 +43,12 @@ class TrainingStopped(RuntimeError):
 
 
 def _any_rank(flag: bool) -> bool:
-    """``flag`` or'ed over every rank (a MAX all-reduce over the world; ``flag`` itself without a process group)."""
+    """``flag`` or'ed over every rank (a MAX all-reduce over the world; ``flag`` itself without a process group or
+    on one rank)."""
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return flag
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([1.0 if flag else 0.0], device=device)
