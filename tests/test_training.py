@@ -380,18 +380,28 @@ def _final_state(path):
     return {k: v for k, v in read_dist_checkpoint(str(path)).items()}
 
 
+PREEMPT_STEPS = 12
+PREEMPT_RUN = TINY + ["--mock-data", "--train-iters", str(PREEMPT_STEPS), "--save-interval", "100"]
+
+
+@pytest.fixture(scope="module")
+def straight_run_state(tmp_path_factory):
+    """The final checkpoint (weights and optimizer state) of ``PREEMPT_RUN`` never stopped."""
+    path = tmp_path_factory.mktemp("straight")
+    straight = run(PREEMPT_RUN + ["--save", str(path)])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    return _final_state(path / f"iter_{PREEMPT_STEPS:07d}")
+
+
 @pytest.mark.parametrize("how", ["sigterm", "duration"])
-def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how):
+def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how, straight_run_state):
     """A Slurm-style preemption: SIGTERM under --exit-signal-handler (or --exit-duration-in-mins running out) saves a
     checkpoint and exits 0, leaving no process behind; the same command with --load continues from it to the same
     weights and optimizer state, bit for bit, as a run that was never stopped."""
     import signal
     import time
 
-    steps = 12
-    common = TINY + ["--mock-data", "--train-iters", str(steps), "--save-interval", "100"]
-    straight = run(common + ["--save", str(tmp_path / "a")])
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    steps, common = PREEMPT_STEPS, PREEMPT_RUN
 
     if how == "sigterm":
         cmd = [sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py"), "--exit-signal-handler"]
@@ -422,7 +432,7 @@ def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how):
 
     resumed = run(common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = _final_state(tmp_path / "a" / f"iter_{steps:07d}"), _final_state(tmp_path / "b" / f"iter_{steps:07d}")
+    a, b = straight_run_state, _final_state(tmp_path / "b" / f"iter_{steps:07d}")
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
