@@ -467,34 +467,14 @@ _ONE_RANK = {}
 def _peaked_checkpoint(workdir, variant: str = "moe"):
     """(HF config dir, a layout-free 'release' checkpoint): the model ``variant`` of tests/test_parallel_training.py
     with its indexers' matrices drawn with std 0.3 (Megatron-LM's layout, as that test writes it)."""
-    import json
+    from tests.test_parallel_training import _initial_checkpoint
 
-    from megatron.core import dist_checkpointing
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_glm5.checkpoint.megatron_layout import CHECKPOINT_VERSION
-    from megatron_glm5.models.builder import build_model
-    from tests.test_parallel_training import _hf_config
-
-    root = workdir / f"init_peaked_{variant}"
-    if (root / "ckpt" / "latest_checkpointed_iteration.txt").exists():
-        return root, root / "ckpt"
-    root.mkdir(exist_ok=True)
-    hf = _hf_config(variant)
-    (root / "config.json").write_text(json.dumps(hf))
-    torch.manual_seed(1234)
-    model_parallel_cuda_manual_seed(1234)
-    model = build_model(Glm5Config.from_hf(hf, use_cpu_initialization=True))
-    with torch.no_grad():
+    def peaked(model):
         for name, p in model.named_parameters():
             if ".indexer." in name and p.dim() == 2:
                 p.normal_(0.0, 0.3)
-    (root / "ckpt" / "release").mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save({**model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION},
-                            str(root / "ckpt" / "release"))
-    (root / "ckpt" / "release" / "hf_config.json").write_text(json.dumps(hf))
-    (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text("release")
-    return root, root / "ckpt"
+
+    return _initial_checkpoint(workdir, variant, name="init_peaked", edit=peaked)
 
 
 def _indexer_run(workdir, data, name, flags, nproc, loss_flags=INDEXER_LOSS, variant="moe"):

@@ -55,9 +55,10 @@ def _hf_config(variant: str) -> dict:
     return cfg
 
 
-def _initial_checkpoint(workdir, variant: str):
-    """(HF config dir, a dist checkpoint of random initial weights) for a model variant; written once."""
-    root = workdir / f"init_{variant}"
+def _initial_checkpoint(workdir, variant: str, name: str = "init", edit=None):
+    """(HF config dir, a dist checkpoint of random initial weights) for a model variant; written once into
+    ``workdir / f"{name}_{variant}"``. ``edit(model)``, when given, changes the weights before the save."""
+    root = workdir / f"{name}_{variant}"
     if (root / "ckpt" / "latest_checkpointed_iteration.txt").exists():
         return root, root / "ckpt"
     from megatron.core import dist_checkpointing
@@ -76,6 +77,9 @@ def _initial_checkpoint(workdir, variant: str):
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     model = build_model(Glm5Config.from_hf(hf, use_cpu_initialization=True))
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     # Megatron-LM's layout of converted weights: a 'release' checkpoint named by the tracker
     (root / "ckpt" / "release").mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save({**model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION},
