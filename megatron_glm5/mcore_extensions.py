@@ -72,9 +72,9 @@ def wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_
 def describe_fusion(model_chunks) -> str:
     """One start-up line: how many linears accumulate their weight gradient into ``main_grad`` (fusion on; the
     routed experts' grouped GEMMs and the linears inside MoE CUDA graphs too) and how many leave it to DDP's hook.
-    A routed expert's linear with the flag on counts as fused only where its grouped GEMM finds the expert set's
-    ``main_grad`` s back to back (:func:`~megatron_glm5.models.grouped_experts.main_grads_back_to_back`); the line
-    says how many fall back so."""
+    A routed expert's linear with the flag on whose tokens take the grouped GEMMs counts as fused only where they
+    find the expert set's ``main_grad`` s back to back
+    (:func:`~megatron_glm5.models.grouped_experts.main_grads_back_to_back`); the line says how many fall back so."""
     from megatron_glm5.models.grouped_experts import GroupedExperts, main_grads_back_to_back
 
     linears = [m for chunk in model_chunks for m in chunk.modules()
@@ -84,7 +84,7 @@ def describe_fusion(model_chunks) -> str:
     for m in (m for chunk in model_chunks for m in chunk.modules() if isinstance(m, GroupedExperts)):
         for name, weights in zip(("linear_fc1", "linear_fc2"), m.expert_weight_sets()):
             experts = [getattr(e, name) for e in m.local_experts]
-            if (len(weights) > 1 and experts[0].gradient_accumulation_fusion
+            if (experts[0].gradient_accumulation_fusion and m.takes_grouped_path(weights[0].device, weights[0].dtype)
                     and main_grads_back_to_back(weights, True, weights[0].device) is None):
                 falls_back.update(id(lin) for lin in experts)
     fused = sum(m.gradient_accumulation_fusion and id(m) not in falls_back for m in linears)

@@ -91,7 +91,8 @@ def test_grouped_weight_gradients_go_into_main_grad_cpu(mcore, layout):
     layout places them) equal to the unfused run's summed ``.grad`` (1e-6), and mark the weights
     ``grad_added_to_main_grad``; main_grads that are separate tensors keep autograd's path (``.grad`` the sum,
     main_grad untouched). The other parameters' gradients and the input's equal the unfused run's either way; the
-    start-up line (`describe_fusion`) counts the expert linears as fused or as falling back accordingly."""
+    start-up line (`describe_fusion`) counts the expert linears as fused or as falling back accordingly (and as fused
+    where the tokens take the per-expert loop, whose linears add into main_grad themselves)."""
     _, grp = _moe_pair()
     grp.experts.plan = grp.experts.plan.replace(grouped_experts_on_cpu=True)
     torch.manual_seed(3)
@@ -139,6 +140,9 @@ def test_grouped_weight_gradients_go_into_main_grad_cpu(mcore, layout):
     assert describe_fusion([grp]).startswith(
         f"gradient-accumulation fusion: {fused} linears add their weight gradient into main_grad in the GEMM, "
         f"{len(linears) + len(others) - fused} through DDP's hook{fallback}"), describe_fusion([grp])
+    grp.experts.plan = grp.experts.plan.replace(grouped_experts_on_cpu=False)  # the per-expert loop: linears fuse
+    assert describe_fusion([grp]) == (f"gradient-accumulation fusion: {len(linears)} linears add their weight "
+                                      f"gradient into main_grad in the GEMM, {len(others)} through DDP's hook")
 
 
 @pytest.mark.gpu

@@ -236,10 +236,16 @@ class GroupedExperts(SequentialMLP):
         return out
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] > 0 and self.takes_grouped_path(x.device, x.dtype)
+
+    def takes_grouped_path(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether tokens on ``device`` in ``dtype`` run as grouped GEMMs (else the per-expert loop of
+        ``SequentialMLP``): CUDA bf16 (or CPU under the plan's ``grouped_experts_on_cpu``), two or more local
+        experts, a gated linear unit without biases, no TP inside the experts, no FP8 / FP4."""
         cfg = self.config
-        if not (x.is_cuda or self.plan.grouped_experts_on_cpu) or not hasattr(torch, "_grouped_mm"):
+        if not (device.type == "cuda" or self.plan.grouped_experts_on_cpu) or not hasattr(torch, "_grouped_mm"):
             return False
-        if self.num_local_experts < 2 or x.shape[0] == 0 or x.dim() != 2:
+        if self.num_local_experts < 2:
             return False
         if cfg.fp8 or getattr(cfg, "fp4", None) or cfg.moe_apply_probs_on_input or not cfg.gated_linear_unit:
             return False
@@ -248,7 +254,7 @@ class GroupedExperts(SequentialMLP):
         fc1, fc2 = self.local_experts[0].linear_fc1, self.local_experts[0].linear_fc2
         if getattr(fc1, "bias", None) is not None or getattr(fc2, "bias", None) is not None:
             return False
-        if x.is_cuda and x.dtype != torch.bfloat16:
+        if device.type == "cuda" and dtype != torch.bfloat16:
             return False
         return True
 
