@@ -31,14 +31,15 @@ BLOCK_N = 128
 """Output rows (``dy`` columns) per program."""
 BLOCK_K = 128
 """Output columns (``x`` columns) per program."""
-BLOCK_T = 64
+BLOCK_T = 32
 """Rows of the group summed per step."""
 GROUP_N = 8
 """Tile rows walked together (L2 reuse of ``x``'s column blocks)."""
-NUM_WARPS = 8
-NUM_STAGES = 3
-"""Software-pipeline depth of the row loop's loads for 16-bit inputs (2 for fp32 ones: three stages of fp32 tiles,
-192 KB of shared memory, pass the H100's budget but not the A100's)."""
+NUM_WARPS = 4
+NUM_STAGES = 4
+"""Software-pipeline depth of the row loop's loads for 16-bit inputs (at most 2 for fp32 inputs, whose tiles take
+twice the shared memory). The tiles are the fastest of ``scripts/bench_grouped_wgrad.py --sweep`` on an H100 at the
+proxy's expert shapes (12 % under ``torch._grouped_mm`` + DDP's add; docs/performance.md)."""
 
 
 # ============================================================================ PyTorch reference
