@@ -77,11 +77,11 @@ def describe_fusion(model_chunks) -> str:
     (:func:`~megatron_glm5.models.grouped_experts.main_grads_back_to_back`); the line says how many fall back so."""
     from megatron_glm5.models.grouped_experts import GroupedExperts, main_grads_back_to_back
 
-    linears = [m for chunk in model_chunks for m in chunk.modules()
-               if isinstance(getattr(m, "gradient_accumulation_fusion", None), bool) and
+    modules = [m for chunk in model_chunks for m in chunk.modules()]
+    linears = [m for m in modules if isinstance(getattr(m, "gradient_accumulation_fusion", None), bool) and
                isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
     falls_back = set()
-    for m in (m for chunk in model_chunks for m in chunk.modules() if isinstance(m, GroupedExperts)):
+    for m in (m for m in modules if isinstance(m, GroupedExperts)):
         for name, weights in zip(("linear_fc1", "linear_fc2"), m.expert_weight_sets()):
             experts = [getattr(e, name) for e in m.local_experts]
             if (experts[0].gradient_accumulation_fusion and m.takes_grouped_path(weights[0].device, weights[0].dtype)
