@@ -8,11 +8,12 @@ tests/test_pool_mass.py: the variable is read when the kernels are decorated), w
 relative errors (and the edge-case facts the tests assert); the tests below read it.
 
 Kernels: rms_norm, mhc (input and output side), sinkhorn (Sinkhorn alone and the mHC weights), indexer_scores
-(scores and masked sort keys), cross_entropy, glu, short_conv, gather_sum, grouped_wgrad. fp32 everywhere; 16-bit inputs where a
-kernel takes them: fp16 (the same code path as bf16 in kernels without bf16 dots), and bf16 to one bf16 step per
-rounding, because Triton 3.7.1's interpreter converts fp32 to bf16 by truncation (PyTorch rounds to nearest) and multiplies
-bf16 ``tl.dot`` operands as their uint16 bit patterns (so the bf16-dot paths, mHC's bf16 streams and the indexer's
-``bf16x3``, are left to the GPU tests). sparse_mla, kda, pool_mass and selected_pool_scores are tested elsewhere.
+(scores and masked sort keys), cross_entropy, glu, short_conv, gather_sum, grouped_wgrad, adam. fp32 everywhere;
+16-bit inputs where a kernel takes them: fp16 (the same code path as bf16 in kernels without bf16 dots), and bf16
+to one bf16 step per rounding, because Triton 3.7.1's interpreter converts fp32 to bf16 by truncation (PyTorch
+rounds to nearest) and multiplies bf16 ``tl.dot`` operands as their uint16 bit patterns (so the bf16-dot paths,
+mHC's bf16 streams and the indexer's ``bf16x3``, are left to the GPU tests). sparse_mla, kda, pool_mass and
+selected_pool_scores are tested elsewhere.
 """
 
 from __future__ import annotations
@@ -417,9 +418,43 @@ def _grouped_wgrad() -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- adam
+def _adam() -> dict:
+    """Blocks of 64 elements: 150 elements (two full programs, a partial third), three steps with grad_scale 0.5 from
+    random moments; AdamW (decay 0.1), Adam (L2 decay 0.05) and no decay, beta1 0.9 and 0.3 (the lerp's two forms):
+    weights and moments against ``adam_step_reference`` (relative); the written ``out`` (bf16, fp16, fp32) against
+    the weight rounded to its dtype, in its own steps; the gradient bitwise unchanged."""
+    from megatron_glm5.kernels import adam as k
+
+    _set(k, BLOCK=64)
+    gen = torch.Generator().manual_seed(9)
+    n = 150
+    out = {}
+    for tag, wd, decoupled, beta1, dt in (("adamw", 0.1, True, 0.9, torch.bfloat16), ("adam_l2", 0.05, False, 0.3,
+                                          torch.float16), ("no_decay", 0.0, True, 0.9, torch.float32)):
+        w0, m0, v0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+        got, ref = [w0.clone(), m0.clone(), v0.clone()], [w0.clone(), m0.clone(), v0.clone()]
+        o = torch.empty(n, dtype=dt)
+        unchanged = True
+        for step in range(1, 4):
+            g = torch.randn(n, generator=gen) * 2
+            g0 = g.clone()
+            s = k.AdamScalars(lr=1e-2, beta1=beta1, beta2=0.95, eps=1e-8, weight_decay=wd, decoupled=decoupled,
+                              step=step, grad_scale=0.5)
+            k._launch(*got[:1], g, *got[1:], s, o)
+            unchanged &= bool(torch.equal(g, g0))
+            k.adam_step_reference(*ref[:1], g, *ref[1:], s)
+        step_of = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}[dt]
+        out[tag] = dict(weight=_rel(got[0], ref[0]), exp_avg=_rel(got[1], ref[1]), exp_avg_sq=_rel(got[2], ref[2]),
+                        out_steps=float(((o.double() - got[0].double()).abs() / got[0].double().abs()).max()
+                                        / (2 * step_of)),
+                        grad_unchanged=unchanged)
+    return out
+
+
 KERNELS = dict(rms_norm=_rms_norm, mhc=_mhc, sinkhorn=_sinkhorn, indexer_scores=_indexer_scores,
                cross_entropy=_cross_entropy, glu=_glu, short_conv=_short_conv, gather_sum=_gather_sum,
-               grouped_wgrad=_grouped_wgrad)
+               grouped_wgrad=_grouped_wgrad, adam=_adam)
 
 
 def _interpreter_checks(names=None) -> dict:
@@ -571,6 +606,17 @@ def test_grouped_wgrad(interpreted):
     for dt in ("float32", "float16"):
         assert r[dt]["empty_group_unchanged"], r
         _within(r[dt], 1e-6)
+
+
+def test_adam(interpreted):
+    """The Adam step kernel (64-element blocks; cases in ``_adam``'s docstring) against ``adam_step_reference``:
+    weights and moments to 1e-6 after three steps; ``out`` within one step of its dtype of the updated weight (the
+    interpreter truncates to bf16); the gradient left as it was."""
+    r = interpreted["adam"]
+    for tag in ("adamw", "adam_l2", "no_decay"):
+        assert r[tag]["grad_unchanged"], r
+        _within(r[tag], 1e-6, ("weight", "exp_avg", "exp_avg_sq"))
+        assert r[tag]["out_steps"] <= 1.0, r
 
 
 if __name__ == "__main__":

@@ -203,26 +203,35 @@ def test_exact_resume_and_a_save_killed_midway(tmp_path):
     assert [k for k in sa if not torch.equal(sa[k], sc[k])] == []
 
 
-def test_torch_fused_adam_trains_like_foreach_and_resumes_exactly(tmp_path):
-    """--torch-fused-adam (torch's fused Adam kernel for megatron-core's torch fallback; CPU here): the losses of 4
-    steps match the default foreach Adam's to fp32 rounding (the same update, another order of operations), and 2
-    steps + save + resume + 2 steps equal 4 straight steps bitwise (weights, moments and the step count)."""
+def test_fused_adams_train_like_foreach_and_the_fused_step_resumes_exactly(tmp_path):
+    """--torch-fused-adam (torch's fused Adam kernel for megatron-core's torch fallback; CPU here) and
+    --fused-optimizer-step (clip, Adam and the model-weight write in one pass; on CPU its PyTorch reference): the
+    losses of 4 clipped steps (gradient norms above --clip-grad 1) match the default foreach Adam's to fp32 rounding
+    (the same update, another order of operations), and with the fused step 2 steps + save + resume + 2 steps equal
+    4 straight steps bitwise (weights, moments and the step count)."""
     common = TINY + ["--mock-data", "--train-iters", "4", "--use-distributed-optimizer"]
     ref = run(common + ["--tensorboard-dir", str(tmp_path / "tbr")])
     assert ref.returncode == 0, ref.stderr[-3000:]
-    fused = common + ["--torch-fused-adam"]
+    torch_fused = run(common + ["--torch-fused-adam", "--tensorboard-dir", str(tmp_path / "tbt")])
+    assert torch_fused.returncode == 0, torch_fused.stderr[-3000:]
+    assert "param groups run torch's fused Adam" in torch_fused.stdout and " 0 param groups" not in torch_fused.stdout
+    fused = common + ["--fused-optimizer-step"]
     a = run(fused + ["--save", str(tmp_path / "a"), "--save-interval", "100", "--tensorboard-dir", str(tmp_path / "tba")])
     assert a.returncode == 0, a.stderr[-3000:]
-    assert "param groups run torch's fused Adam" in a.stdout and " 0 param groups" not in a.stdout
+    assert "--fused-optimizer-step: 2 param groups take the clip coefficient" in a.stdout, a.stdout[-3000:]
     b = run(fused + ["--save", str(tmp_path / "b"), "--save-interval", "100", "--exit-interval", "2",
                      "--tensorboard-dir", str(tmp_path / "tbb")])
     assert b.returncode == 0, b.stderr[-3000:]
     c = run(fused + ["--save", str(tmp_path / "b"), "--save-interval", "100", "--load", str(tmp_path / "b"),
                      "--tensorboard-dir", str(tmp_path / "tbc")])
     assert c.returncode == 0 and "at iteration 2" in c.stdout, c.stderr[-3000:]
-    lr, la = dict(scalars(tmp_path / "tbr")["lm loss"]), dict(scalars(tmp_path / "tba")["lm loss"])
-    lc = dict(scalars(tmp_path / "tbc")["lm loss"])
-    assert sorted(la) == [1, 2, 3, 4] and all(abs(la[i] - lr[i]) <= 1e-5 * abs(lr[i]) for i in la), (la, lr)
+    tags = scalars(tmp_path / "tbr")
+    lr, norms = dict(tags["lm loss"]), dict(tags["grad-norm"])
+    assert sorted(norms) == [1, 2, 3, 4] and min(norms.values()) > 1.0, norms  # every step clipped
+    for tb in ("tbt", "tba"):
+        got = dict(scalars(tmp_path / tb)["lm loss"])
+        assert sorted(got) == [1, 2, 3, 4] and all(abs(got[i] - lr[i]) <= 1e-5 * abs(lr[i]) for i in got), (tb, got, lr)
+    la, lc = dict(scalars(tmp_path / "tba")["lm loss"]), dict(scalars(tmp_path / "tbc")["lm loss"])
     assert sorted(lc) == [3, 4] and all(la[i] == lc[i] for i in (3, 4)), (la, lc)
     sa = read_dist_checkpoint(str(tmp_path / "a" / "iter_0000004"))
     sc = read_dist_checkpoint(str(tmp_path / "b" / "iter_0000004"))

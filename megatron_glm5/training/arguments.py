@@ -252,6 +252,13 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "the default where CUDA is available")
     g.add_argument("--no-torch-fused-adam", dest="torch_fused_adam", action="store_false",
                    help="keep torch's foreach Adam (megatron-core's fallback as it is)")
+    g.add_argument("--fused-optimizer-step", action="store_true",
+                   help="the distributed optimizer on torch's Adam / AdamW fallback: apply the --clip-grad "
+                        "coefficient, the Adam update and the write of the model's bf16 weight in one pass per main "
+                        "weight (a Triton kernel on CUDA) instead of megatron-core's three; the default where CUDA "
+                        "is available (param groups it takes are not switched by --torch-fused-adam)")
+    g.add_argument("--no-fused-optimizer-step", dest="fused_optimizer_step", action="store_false",
+                   help="keep megatron-core's optimizer step (clip, Adam, copy to the model weights)")
 
     import torch
 
@@ -262,7 +269,7 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     # mcore_extensions runs it on CPU tensors too, so the CPU runs take the GPU's gradient path)
     defaults = dict(transformer_impl="local", position_embedding_type="none", check_for_nan_in_loss_and_grad=False)
     if torch.cuda.is_available():
-        defaults.update(torch_fused_adam=True)
+        defaults.update(torch_fused_adam=True, fused_optimizer_step=True)
     else:
         defaults.update(distributed_backend="gloo", bias_gelu_fusion=False,
                         bias_swiglu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,

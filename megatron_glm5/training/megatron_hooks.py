@@ -12,6 +12,8 @@
   holds a NaN/inf weight anyway (a buffer such as the expert bias) is never saved: the run stops instead.
 * **fp32 islands under bf16** get param groups of their own (``ParamKey(attr='keep_fp32')``), so that fp32 master
   weights pair with the right parameters.
+* **--fused-optimizer-step** (default on CUDA): the distributed optimizer's clip, Adam step and copy into the
+  model weights in one pass per main weight (:mod:`megatron_glm5.training.fused_optimizer_step`).
 * **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
   layout (megatron-core has none), so that its checkpoints load.
 * **Every checkpoint carries its architecture, layout and manifest.** ``hf_config.json`` (the run's HF config) and
@@ -123,6 +125,13 @@ def _glm5_get_megatron_optimizer(upstream):
                 part.init_state_fn = sgd_init_state  # megatron-core has none for SGD: its checkpoints could not load
         from megatron.training.utils import print_rank_0
 
+        if args.fused_optimizer_step:
+            from megatron_glm5.training import fused_optimizer_step
+
+            fused, refused = fused_optimizer_step.install(optimizer)
+            line = (f"--fused-optimizer-step: {fused} param groups take the clip coefficient, Adam and the model "
+                    f"weight write in one pass per main weight")
+            print_rank_0(line + "".join(f"; one part left as it was: {r}" for r in refused))
         if args.torch_fused_adam:
             print_rank_0(f"--torch-fused-adam: {use_torch_fused_adam(optimizer)} param groups run torch's fused Adam")
         if args.gradient_accumulation_fusion:
@@ -389,7 +398,8 @@ def install() -> None:
     if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
         training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
         _INSTALLED.append("optimizer: steps with a NaN/inf gradient norm or updated weight skipped and counted; "
-                          "fp32 islands in their own param groups under bf16; --torch-fused-adam")
+                          "fp32 islands in their own param groups under bf16; --fused-optimizer-step; "
+                          "--torch-fused-adam")
 
 
 def describe() -> str:
