@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from megatron_glm5.training.fused_optimizer_step import fused_step
 from tests.training_harness import REPO, TINY, error_lines, read_dist_checkpoint, run
 
 BASE = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2",
@@ -403,15 +404,22 @@ class _Part:
         self.optimizer = inner
 
 
+def _with_clip(opt, scale: float):
+    opt.grad_scale = scale
+    return opt
+
+
 @pytest.mark.parametrize("make", [
     lambda ps, wd: torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd),
     lambda ps, wd: torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd, fused=True),
     lambda ps, wd: torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd, foreach=False),
+    lambda ps, wd: _with_clip(fused_step(torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd)), 0.5),
     lambda ps, wd: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=wd),
 ])
 def test_trial_update_changes_nothing_and_predicts_the_step(make):
     """The trial leaves parameters, gradients, state and param groups bitwise as they were; it answers False for an
-    update that overflows, True otherwise, and the real step after a True trial equals a step without one."""
+    update that overflows, True otherwise, and the real step after a True trial equals a step without one. The
+    fused optimizer step with a deferred clip coefficient (``grad_scale``) tries the update it makes."""
     from megatron_glm5.training.optimizer import update_keeps_weights_within
 
     def setup(wd):
