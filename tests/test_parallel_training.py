@@ -39,7 +39,8 @@ LAYOUTS = {
                 "moe"),
     "tp2_pp2_ep2_dp2": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                             "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                            "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"], "moe4"),
+                            "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer",
+                            "--fused-optimizer-step"], "moe4"),  # the GPU's optimizer step on sharded, chained parts
 }
 
 
