@@ -173,3 +173,44 @@ def test_kernel_matches_reference_and_torch_fused_adamw_gpu():
     for a, b in zip(got, (torch_w.detach(), st["exp_avg"], st["exp_avg_sq"])):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
     assert torch.equal(out, got[0].bfloat16())
+
+
+def test_a_checkpoint_of_one_form_loads_into_the_other_without_switching_it():
+    """Optimizer state saved by torch's fused Adam (``use_torch_fused_adam``: groups ``fused=True``, device step
+    counters) and by the fused step (host counters, groups neither fused nor foreach), each loaded into the other:
+    the loading optimizer keeps its own form (a checkpoint's param groups would otherwise replace the flags) and
+    steps on from the saved counter (2 after one more step); the weights it reaches equal those of the form that saved
+    it stepping on (the two forms' arithmetic agrees to fp32 rounding)."""
+    from megatron_glm5.training.fused_optimizer_step import fused_step
+    from megatron_glm5.training.optimizer import use_torch_fused_adam
+
+    class Part:
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    def make(form):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(6))
+        opt = torch.optim.AdamW([w], lr=1e-2, weight_decay=0.1)
+        if form == "torch_fused":
+            assert use_torch_fused_adam(Part(opt)) == 1
+        else:
+            fused_step(opt)
+        w.grad = torch.linspace(-1, 1, 6)
+        opt.step()
+        return w, opt
+
+    for saver, loader in (("torch_fused", "fused_step"), ("fused_step", "torch_fused")):
+        _, saved = make(saver)
+        w_on, opt_on = make(saver)
+        w, opt = make(loader)
+        with torch.no_grad():
+            w.copy_(w_on)
+        opt.load_state_dict(saved.state_dict())
+        group = opt.param_groups[0]
+        assert (group["fused"], group["foreach"]) == ((True, False) if loader == "torch_fused" else (False, False))
+        for ww, oo in ((w, opt), (w_on, opt_on)):
+            ww.grad = torch.linspace(1, -1, 6)
+            oo.step()
+        assert float(opt.state[w]["step"]) == 2.0 and opt.state[w]["step"].device == w.device
+        assert torch.allclose(w, w_on, rtol=1e-6, atol=1e-7), (saver, loader, (w - w_on).abs().max())

@@ -151,10 +151,19 @@ def fused_step(inner: torch.optim.Adam, model_weights: Optional[dict] = None) ->
     inner.grad_scale, inner.model_weights, inner.wrote_model_weights = 1.0, dict(model_weights or {}), False
     owner = weakref.ref(inner)
     for group in inner.param_groups:
-        group["fused"], group["foreach"] = False, False  # torch keeps `step` on the host for such groups
         for p in group["params"]:
             setattr(p, _OWNER, owner)
+    _host_counter_groups(inner)
+    inner.register_load_state_dict_post_hook(_host_counter_groups)
     return inner
+
+
+def _host_counter_groups(inner) -> None:
+    """Flag every param group of ``inner`` as torch's plain single-tensor Adam (not fused, not foreach): torch keeps
+    the ``step`` counters of such groups on the host, also when it loads a checkpoint (whose param groups replace
+    the run's flags: hence also a ``load_state_dict`` post-hook)."""
+    for group in inner.param_groups:
+        group["fused"], group["foreach"] = False, False
 
 
 def _copy_unless_written(part, copy):

@@ -12,8 +12,9 @@ def use_torch_fused_adam(optimizer) -> int:
     """Switch the param groups of megatron-core's torch ``Adam`` / ``AdamW`` fallback (no Transformer Engine or
     Apex) to torch's fused kernel (``fused=True``: one pass over parameters, gradients and moments per step; torch
     defaults to its foreach form, a pass per operation). The group flag is what ``step`` reads; a group switched
-    before its first step gets its ``step`` counters on the parameters' device, as fused Adam needs, and checkpoint
-    loads keep them there (torch's ``load_state_dict`` for fused groups). Groups of parameters on more than one
+    before its first step gets its ``step`` counters on the parameters' device, as fused Adam needs, and a checkpoint
+    load keeps the groups fused and the counters there, whatever form saved it (:func:`_keep_fused_after_load`).
+    Groups of parameters on more than one
     device, or on a device without the fused kernel, are left alone. Returns the number of groups switched."""
     switched = 0
     for part in optimizer_parts(optimizer):
@@ -28,7 +29,26 @@ def use_torch_fused_adam(optimizer) -> int:
                 continue
             group["fused"], group["foreach"] = True, False
             switched += 1
+        if switched and not getattr(inner, "_glm5_keeps_fused", False):
+            inner.register_load_state_dict_post_hook(_keep_fused_after_load)
+            inner._glm5_keeps_fused = True
     return switched
+
+
+def _keep_fused_after_load(inner) -> None:
+    """``load_state_dict`` post-hook of an Adam switched by :func:`use_torch_fused_adam`: a checkpoint's param groups
+    replace the run's flags (one saved by a foreach or host-counter run would turn the kernel off again), so the
+    groups whose parameters allow it are switched back and their ``step`` counters put on the parameters' device."""
+    for group in inner.param_groups:
+        devices = {p.device for p in group["params"]}
+        if len(devices) != 1 or group.get("differentiable") or not all(p.is_floating_point() for p in group["params"]):
+            continue
+        group["fused"], group["foreach"] = True, False
+        device = devices.pop()
+        for p in group["params"]:
+            step = inner.state.get(p, {}).get("step")
+            if torch.is_tensor(step) and step.device != device:
+                inner.state[p]["step"] = step.to(device=device, dtype=torch.float32)
 
 
 def optimizer_parts(optimizer) -> list:
