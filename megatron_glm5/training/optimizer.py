@@ -14,41 +14,45 @@ def use_torch_fused_adam(optimizer) -> int:
     defaults to its foreach form, a pass per operation). The group flag is what ``step`` reads; a group switched
     before its first step gets its ``step`` counters on the parameters' device, as fused Adam needs, and a checkpoint
     load keeps the groups fused and the counters there, whatever form saved it (:func:`_keep_fused_after_load`).
-    Groups of parameters on more than one
-    device, or on a device without the fused kernel, are left alone. Returns the number of groups switched."""
+    Groups of parameters on more than one device, or on a device without the fused kernel, are left alone
+    (:func:`_switch_to_fused`). Returns the number of groups switched."""
     switched = 0
     for part in optimizer_parts(optimizer):
         inner = getattr(part, "optimizer", None)
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
             continue
-        for group in inner.param_groups:
-            devices = {p.device.type for p in group["params"]}
-            if len(devices) != 1 or devices.pop() not in ("cuda", "cpu") or group.get("differentiable"):
-                continue
-            if not all(p.is_floating_point() for p in group["params"]):
-                continue
-            group["fused"], group["foreach"] = True, False
-            switched += 1
-        if switched and not getattr(inner, "_glm5_keeps_fused", False):
+        here = sum(_switch_to_fused(inner, group) for group in inner.param_groups)
+        if here and not getattr(inner, "_glm5_keeps_fused", False):
             inner.register_load_state_dict_post_hook(_keep_fused_after_load)
             inner._glm5_keeps_fused = True
+        switched += here
     return switched
+
+
+def _switch_to_fused(inner, group) -> bool:
+    """Flag param group ``group`` of torch Adam ``inner`` fused (not foreach) where its parameters allow it (all
+    floating point, on one CUDA or CPU device, not differentiable) and put its ``step`` counters on that device, as
+    fused Adam needs; whether it did."""
+    devices = {p.device for p in group["params"]}
+    if len(devices) != 1 or group.get("differentiable") or not all(p.is_floating_point() for p in group["params"]):
+        return False
+    device = devices.pop()
+    if device.type not in ("cuda", "cpu"):
+        return False
+    group["fused"], group["foreach"] = True, False
+    for p in group["params"]:
+        step = inner.state.get(p, {}).get("step")
+        if torch.is_tensor(step) and step.device != device:
+            inner.state[p]["step"] = step.to(device=device, dtype=torch.float32)
+    return True
 
 
 def _keep_fused_after_load(inner) -> None:
     """``load_state_dict`` post-hook of an Adam switched by :func:`use_torch_fused_adam`: a checkpoint's param groups
     replace the run's flags (one saved by a foreach or host-counter run would turn the kernel off again), so the
-    groups whose parameters allow it are switched back and their ``step`` counters put on the parameters' device."""
+    groups are switched back (:func:`_switch_to_fused`)."""
     for group in inner.param_groups:
-        devices = {p.device for p in group["params"]}
-        if len(devices) != 1 or group.get("differentiable") or not all(p.is_floating_point() for p in group["params"]):
-            continue
-        group["fused"], group["foreach"] = True, False
-        device = devices.pop()
-        for p in group["params"]:
-            step = inner.state.get(p, {}).get("step")
-            if torch.is_tensor(step) and step.device != device:
-                inner.state[p]["step"] = step.to(device=device, dtype=torch.float32)
+        _switch_to_fused(inner, group)
 
 
 def optimizer_parts(optimizer) -> list:
