@@ -234,9 +234,15 @@ class ExecutionPlan:
         return dataclasses.replace(self, **changes)
 
     def table(self) -> str:
-        """The start-up table: ``megatron_glm5 backends (<device>):`` and one row per setting."""
+        """The start-up table: ``megatron_glm5 backends (<device>):`` and one row per setting; where Triton kernels
+        run, a last line on what the first step compiles and where Triton keeps it."""
         lines = [f"megatron_glm5 backends ({self.where}):"]
         lines += [f"  {key:<20} {value:<10} {state}" for key, value, state in self.rows]
+        if self.triton_kernels:
+            from megatron_glm5.kernels.triton_support import cache_dir
+
+            lines.append(f"  the first step compiles the Triton kernels (and tunes FLA's) not yet in Triton's cache "
+                         f"({cache_dir()}): minutes on a fresh machine")
         return "\n".join(lines)
 
 

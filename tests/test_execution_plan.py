@@ -49,8 +49,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(triton_support, "HAVE_TRITON", True)
 
 
-def test_cuda_bf16_plan_table(fake_gpu):
-    """A bf16 training config on a (faked) sm_90 device: every fast path, the table saying so."""
+def test_cuda_bf16_plan_table(fake_gpu, monkeypatch):
+    """A bf16 training config on a (faked) sm_90 device: every fast path, the table saying so, and where Triton
+    keeps what the first step compiles."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/triton-cache")
     cfg = Glm5Config.from_hf(tiny_hf_config(), use_cpu_initialization=True, bf16=True)
     plan = resolve_execution_plan(cfg, "cuda", capability=(9, 0))
     assert plan.table().splitlines() == [
@@ -64,6 +66,8 @@ def test_cuda_bf16_plan_table(fake_gpu):
         "  triton kernels       True       fast path (mHC, expert GLU, RMSNorm, cross entropy, short convolution, "
         "indexer scores)",
         "  dtype                bf16       bf16 model",
+        "  the first step compiles the Triton kernels (and tunes FLA's) not yet in Triton's cache "
+        "(/shared/triton-cache): minutes on a fresh machine",
     ]
     assert plan.rms_norm_fused and plan.mhc_fused and plan.indexer_fused_scores and plan.kda_save_intermediates
     assert plan.moe_graph_blockers == ()
