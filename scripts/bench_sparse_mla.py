@@ -27,7 +27,12 @@ FWD_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
              dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
              dict(BLOCK_H=64, BLOCK_N=128, num_warps=8, num_stages=1),
              dict(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=1),
-             dict(BLOCK_H=64, BLOCK_N=128, num_warps=16, num_stages=1)]
+             dict(BLOCK_H=64, BLOCK_N=128, num_warps=16, num_stages=1),
+             # 10-13 (not timed yet): the next step's rows gathered into registers during this step (prefetch)
+             dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, prefetch=1),
+             dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, prefetch=1),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, prefetch=1),
+             dict(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=1, prefetch=1)]
 BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0: the default before the transposed-form dkv kernel, fp32's)
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1),
              dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=0),
@@ -60,7 +65,15 @@ BWD_SWEEP = [  # 0-10: the fused kernel's study (entry 0: the default before the
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dq=dict(BLOCK_N=64),
                   dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8, num_warps=16)),
              dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
-                  dq=dict(BLOCK_N=64, num_stages=2), dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8))]
+                  dq=dict(BLOCK_N=64, num_stages=2), dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8)),
+             # 19-21 (not timed yet): the default with the next step's rows prefetched into registers in both
+             # passes; in dq alone; in dkv alone at 32 rows a step (fewer registers held across the step)
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, prefetch=1,
+                  dq=dict(BLOCK_N=64), dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8)),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1,
+                  dq=dict(BLOCK_N=64, prefetch=1), dkv=dict(form="dkv_t", BLOCK_N=64, programs_per_sm=8)),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, split=True, vec_red=1, dq=dict(BLOCK_N=64),
+                  dkv=dict(form="dkv_t", BLOCK_N=32, programs_per_sm=8, prefetch=1))]
 
 
 def _rel(a, b) -> float:

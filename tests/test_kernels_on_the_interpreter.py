@@ -8,12 +8,13 @@ tests/test_pool_mass.py: the variable is read when the kernels are decorated), w
 relative errors (and the edge-case facts the tests assert); the tests below read it.
 
 Kernels: rms_norm, mhc (input and output side), sinkhorn (Sinkhorn alone and the mHC weights), indexer_scores
-(scores and masked sort keys), cross_entropy, glu, short_conv, gather_sum, grouped_wgrad, adam. fp32 everywhere;
+(scores and masked sort keys), cross_entropy, glu, short_conv, gather_sum, grouped_wgrad, adam, sparse_mla (forward
+and its fp32 and 16-bit backward launch forms, fp32 inputs). fp32 everywhere;
 16-bit inputs where a kernel takes them: fp16 (the same code path as bf16 in kernels without bf16 dots), and bf16
 to one bf16 step per rounding, because Triton 3.7.1's interpreter converts fp32 to bf16 by truncation (PyTorch
 rounds to nearest) and multiplies bf16 ``tl.dot`` operands as their uint16 bit patterns (so the bf16-dot paths,
-mHC's bf16 streams and the indexer's ``bf16x3``, are left to the GPU tests). sparse_mla, kda, pool_mass and
-selected_pool_scores are tested elsewhere.
+mHC's bf16 streams and the indexer's ``bf16x3``, are left to the GPU tests). kda, pool_mass and selected_pool_scores
+are tested elsewhere.
 """
 
 from __future__ import annotations
@@ -452,9 +453,48 @@ def _adam() -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- sparse_mla
+def _sparse_mla() -> dict:
+    """fp32 q ``[1, 37, 5, 32]`` (5 heads padded to a 16-head block), kv ``[1, 37, 32]``, 11 slots a query: up to 10
+    distinct causal positions in random order with unused slots (-1) between them, query 0's row empty. Forward
+    (4 rows a step: several steps, a partial last one) and backward against ``sparse_mla_reference`` and autograd,
+    in three launch forms: the fp32 default (the fused backward kernel), the 16-bit default's split (dq kernel, then
+    the persistent transposed-form dkv kernel with 3 programs walking the 37 queries), each with and without
+    ``prefetch`` (the next step's rows gathered before this step's products)."""
+    from megatron_glm5.kernels import sparse_mla as k
+
+    k._limits = lambda t: (k._SMEM_BUDGET, False)        # no CUDA device: the sm_90 budget, scalar atomics
+    gen = torch.Generator().manual_seed(5)
+    s, H, R, W = 37, 5, 32, 11
+    q = torch.randn(1, s, H, R, generator=gen)
+    kv = torch.randn(1, s, R, generator=gen)
+    idx = torch.full((1, s, W), -1, dtype=torch.int64)
+    for i in range(1, s):
+        pos = torch.randperm(i + 1, generator=gen)[:min(i + 1, W - 1)]
+        slots = torch.randperm(W, generator=gen)[:pos.numel()]
+        idx[0, i, slots] = pos
+    scale = R ** -0.5
+    g = torch.randn(1, s, H, R, generator=gen)
+    want = _run(lambda a, b: k.sparse_mla_reference(a, b, idx, scale), (q, kv), (g,))
+    names = ("o", "dq", "dkv")
+    fwd, bwd = dict(k.FWD_CONFIG_FP32), dict(k.BWD_CONFIG_FP32)
+    split = dict(BLOCK_H=16, BLOCK_N=4, num_warps=4, num_stages=1, split=True, vec_red=0,
+                 dkv=dict(form="dkv_t", programs=3))
+    out = {}
+    for tag, bwd_cfg in (("fused", dict(bwd, BLOCK_N=4)), ("split", split)):
+        for prefetch in (0, 1):
+            k.FWD_CONFIG_FP32.update(fwd, BLOCK_N=4, prefetch=prefetch)
+            k.BWD_CONFIG_FP32.clear()
+            k.BWD_CONFIG_FP32.update(bwd_cfg, prefetch=prefetch)
+            got = _run(lambda a, b: k.sparse_mla(a, b, idx, scale), (q, kv), (g,))
+            out[f"{tag}_prefetch{prefetch}"] = _errors(names, got, want)
+    out["empty_row_zero"] = bool(got[0][0, 0].eq(0).all())
+    return out
+
+
 KERNELS = dict(rms_norm=_rms_norm, mhc=_mhc, sinkhorn=_sinkhorn, indexer_scores=_indexer_scores,
                cross_entropy=_cross_entropy, glu=_glu, short_conv=_short_conv, gather_sum=_gather_sum,
-               grouped_wgrad=_grouped_wgrad, adam=_adam)
+               grouped_wgrad=_grouped_wgrad, adam=_adam, sparse_mla=_sparse_mla)
 
 
 def _interpreter_checks(names=None) -> dict:
@@ -617,6 +657,15 @@ def test_adam(interpreted):
         assert r[tag]["grad_unchanged"], r
         _within(r[tag], 1e-6, ("weight", "exp_avg", "exp_avg_sq"))
         assert r[tag]["out_steps"] <= 1.0, r
+
+
+def test_sparse_mla(interpreted):
+    """The sparse MLA kernels (cases in ``_sparse_mla``'s docstring) against ``sparse_mla_reference`` and autograd:
+    o, dq and dkv to 1e-6 in each launch form, with and without ``prefetch``; the empty row's output zero."""
+    r = interpreted["sparse_mla"]
+    for tag in ("fused_prefetch0", "fused_prefetch1", "split_prefetch0", "split_prefetch1"):
+        _within(r[tag], 1e-6)
+    assert r["empty_row_zero"], r
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ __all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG"
 
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)
 """Forward tiling: heads per program (capped at the padded head count), selected rows per step, warps, stages
-(16-bit inputs: cut by :func:`_fit_fwd_shared_memory` until q and the staged rows fit :data:`_SMEM_BUDGET`)."""
+(16-bit inputs: cut by :func:`_fit_fwd_shared_memory` until q and the staged rows fit :data:`_SMEM_BUDGET`).
+Optional in every forward and backward tiling: ``prefetch=1`` gathers the next step's rows into registers before
+this step's products (a load in flight across the step without another shared-memory stage; default 0)."""
 FWD_CONFIG_FP32 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 """Forward tiling for fp32 inputs (tests, parity checks): 64 rows at two stages need 279,040 bytes of shared memory
 at latent 512, over the H200's 232,448."""
@@ -151,15 +153,23 @@ if HAVE_TRITON:
     def _sparse_mla_fwd_kernel(Q, KV, IDX, NEND, O, LSE, qk_scale,
                                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
                                R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                               PREC: tl.constexpr):
+                               PREC: tl.constexpr, PREFETCH: tl.constexpr):
         t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
                                                              stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         n_end = tl.load(NEND + tl.program_id(0))
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, R], tl.float32)
+        if PREFETCH:
+            rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
+                                                           offs_r)
         for n0 in range(0, n_end, BLOCK_N):
-            rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+            if PREFETCH:
+                rows, ok, kv = rows_next, ok_next, kv_next
+                rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
+                                                               n_end, offs_nb, offs_r)
+            else:
+                rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
             s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -223,7 +233,7 @@ if HAVE_TRITON:
                                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot,
                                stride_doh, H, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                PREC: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DKV: tl.constexpr,
-                               VEC_RED: tl.constexpr):
+                               VEC_RED: tl.constexpr, PREFETCH: tl.constexpr):
         # O and DQ share one layout (stride_ot, stride_oh); Q and DO have their own; DKV is fp32 [T, R] contiguous.
         t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
                                                              stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
@@ -235,8 +245,16 @@ if HAVE_TRITON:
         lse = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf"))
         n_end = tl.load(NEND + tl.program_id(0))
         dq = tl.zeros([BLOCK_H, R], tl.float32)
+        if PREFETCH:
+            rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
+                                                           offs_r)
         for n0 in range(0, n_end, BLOCK_N):
-            rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+            if PREFETCH:
+                rows, ok, kv = rows_next, ok_next, kv_next
+                rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
+                                                               n_end, offs_nb, offs_r)
+            else:
+                rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
             p, ds = _recompute_p_ds(q, do, kv, ok, lse, delta, qk_scale, PREC)
             if COMPUTE_DQ:
                 dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PREC)
@@ -251,7 +269,7 @@ if HAVE_TRITON:
     def _sparse_mla_bwd_dkv_t_kernel(Q, KV, O, DO, LSE, IDX, NEND, DKV, SCRATCH, qk_scale, sm_scale,
                                      stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot,
                                      stride_doh, T, H, N_HBLOCKS, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                                     BLOCK_N: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
         """dkv alone, as ``dkv^T = dO^T P + scale q^T dS`` (``[R, BLOCK_N]`` per step), scattered with fp32 atomics.
 
         q and dO ``[BLOCK_H, R]`` are the A operand of every product (``S = q c^T``, ``dP = dO c^T`` and, transposed,
@@ -276,8 +294,16 @@ if HAVE_TRITON:
             delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                  # [BLOCK_H]
             lse = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf"))
             n_end = tl.load(NEND + t)
+            if PREFETCH:
+                rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
+                                                               offs_r)
             for n0 in range(0, n_end, BLOCK_N):
-                rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+                if PREFETCH:
+                    rows, ok, kv = rows_next, ok_next, kv_next
+                    rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
+                                                                   n_end, offs_nb, offs_r)
+                else:
+                    rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
                 p, ds = _recompute_p_ds(q, do, kv, ok, lse, delta, qk_scale, PREC)
                 tl.store(scr + offs_s, p.to(SCRATCH.dtype.element_ty))
                 tl.store(scr + BLOCK_H * BLOCK_N + offs_s, (ds * sm_scale).to(SCRATCH.dtype.element_ty))
@@ -314,7 +340,7 @@ def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end:
     _sparse_mla_fwd_kernel[grid](
         q, kv, idx, n_end, o, lse, scale * _LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), H,
-        R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+        R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype), PREFETCH=int(cfg.get("prefetch", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
@@ -402,14 +428,14 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
                 q, kv, o, do, lse, idx, n_end, dkv, scratch, scale * _LOG2E, scale,
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), do.stride(0),
                 do.stride(1), T, H, n_hblocks, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                PREFETCH=int(cfg.get("prefetch", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             continue
         _sparse_mla_bwd_kernel[(T, n_hblocks)](
             q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), do.stride(0),
             do.stride(1), H, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
             COMPUTE_DQ=compute_dq, COMPUTE_DKV=compute_dkv, VEC_RED=int(cfg.get("vec_red", 0)) if R % 4 == 0 and vec_ok else 0,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            PREFETCH=int(cfg.get("prefetch", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq.to(q.dtype), dkv.to(kv.dtype)
 
 
