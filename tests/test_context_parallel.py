@@ -189,7 +189,7 @@ def test_kda_state_hand_off_fla_core(monkeypatch, dtype, heads, dim):
     inputs = _kda_inputs(512, heads, dim, dim, "cuda")
 
     def run(core, chunked, in_dtype):
-        xs = [x.to(in_dtype).requires_grad_(True) for x in inputs]
+        xs = [x.to(in_dtype, copy=True).requires_grad_(True) for x in inputs]   # fresh leaves for every run
         if chunked:
             out = _chunked_kda(core, *xs, cu, 4, monkeypatch)
         else:

@@ -458,12 +458,12 @@ def _sparse_mla() -> dict:
     """fp32 q ``[1, 37, 5, 32]`` (5 heads padded to a 16-head block), kv ``[1, 37, 32]``, 11 slots a query: up to 10
     distinct causal positions in random order with unused slots (-1) between them, query 0's row empty. Forward
     (4 rows a step: several steps, a partial last one) and backward against ``sparse_mla_reference`` and autograd,
-    in three launch forms: the fp32 default (the fused backward kernel), the 16-bit default's split (dq kernel, then
+    in two launch forms: the fp32 default (the fused backward kernel), the 16-bit default's split (dq kernel, then
     the persistent transposed-form dkv kernel with 3 programs walking the 37 queries), each with and without
     ``prefetch`` (the next step's rows gathered before this step's products)."""
     from megatron_glm5.kernels import sparse_mla as k
 
-    k._limits = lambda t: (k._SMEM_BUDGET, False)        # no CUDA device: the sm_90 budget, scalar atomics
+    _set(k, _limits=lambda t: (k._SMEM_BUDGET, False))   # no CUDA device: the sm_90 budget, scalar atomics
     gen = torch.Generator().manual_seed(5)
     s, H, R, W = 37, 5, 32, 11
     q = torch.randn(1, s, H, R, generator=gen)
