@@ -49,15 +49,37 @@ def load_config_file(path: str):
         raise DataError(f"{path}: unreadable Energon config ({one_line(e)})") from None
     if len(data) > MAX_CONFIG_BYTES:
         raise DataError(f"{path}: an Energon config of more than {MAX_CONFIG_BYTES} bytes")
-    try:
-        if path.endswith(".json"):
+    if path.endswith(".json"):
+        try:
             return json.loads(data)
-        from megatron.energon.eyaml import load_yaml
+        except ValueError as e:
+            raise DataError(f"{path}: not parseable JSON ({one_line(e)})") from None
+    return _parse_yaml(data, path)
 
-        return load_yaml(data)
-    except Exception as e:  # noqa: BLE001 - rapidyaml raises its own error types for text it cannot parse
-        raise DataError(f"{path}: not parseable {'JSON' if path.endswith('.json') else 'YAML'} "
-                        f"({one_line(e)})") from None
+
+def _parse_yaml(data: bytes, path: str):
+    """``data`` parsed by Energon's ``load_yaml``. rapidyaml writes its parse error to the process's stderr (file
+    descriptor 2) and raises an exception without text: the parse runs with descriptor 2 going to a temporary file,
+    whose ``ERROR`` line becomes the one-line message."""
+    import sys
+    import tempfile
+
+    from megatron.energon.eyaml import load_yaml
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as err:
+        os.dup2(err.fileno(), 2)
+        try:
+            return load_yaml(data)
+        except Exception as e:  # noqa: BLE001 - rapidyaml raises its own error types for text it cannot parse
+            err.seek(0)
+            lines = [ln.strip() for ln in err.read().decode("utf-8", "replace").splitlines() if "ERROR" in ln]
+            why = lines[0] if lines else one_line(e)
+            raise DataError(f"{path}: not parseable YAML ({one_line(ValueError(why))})") from None
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _refuse(file: str, key: str, why: str):
