@@ -19,7 +19,7 @@ from megatron_glm5.data.conversations import ChatDocuments, read_conversations
 from megatron_glm5.data.energon import build_energon_loader, decode_state, encode_state, energon_class
 from megatron_glm5.data.tiny_data import make_chat_webdataset, make_vqa_webdataset, write_tiny_hf_assets
 from megatron_glm5.data.vqa import build_image_processor
-from training_harness import TINY, run, scalars
+from training_harness import TINY, error_lines, run, scalars
 
 ENERGON = os.path.join(os.path.dirname(sys.executable), "energon")
 
@@ -324,3 +324,31 @@ def test_no_usable_sample_stops_the_loader(env, tmp_path, monkeypatch, capfd, wh
     assert msg.startswith(f"--data-path {d}: reading the Energon dataset failed (no usable sample in 40 tries in a "
                           f"row (the last: ") and why in msg and "\n" not in msg, msg
     assert capfd.readouterr().out.count("document skipped") == 40
+
+
+@pytest.mark.parametrize("case", ["part_filter", "no_usable_sample"])
+def test_training_run_ends_with_one_line(env, tmp_path, case):
+    """``pretrain_glm5_vlm.py`` on a dataset whose ``dataset.yaml`` names ``evil.py:part_filter`` (refused before
+    anything runs: no marker), and on one whose samples are all longer than ``--seq-length 16`` (the loader stops
+    after MAX_UNUSABLE_IN_A_ROW tries): exit status 1, one error line, no traceback."""
+    root = env[0]
+    d, marker = _evil_copy(root, tmp_path, "chat", CRUDE + ("part_filter: evil.py:part_filter\n"
+                                                            if case == "part_filter" else ""))
+    args = list(TINY)
+    args[args.index("--seq-length") + 1] = "16"
+    proc = run(args + ["--dataset-type", "chat", "--tokenizer-model", str(root / "hf"), "--data-path", str(d),
+                       "--train-iters", "3"], timeout=600)
+    errors = [ln for ln in error_lines(proc) if "error:" in ln or "Traceback" in ln]
+    assert proc.returncode == 1 and len(errors) == 1, (proc.returncode, proc.stderr[-3000:])
+    if case == "part_filter":
+        assert errors[0] == (f"pretrain_glm5_vlm.py: error: {d / '.nv-meta' / 'dataset.yaml'}: part_filter: only a "
+                             f"list of part names is read (a 'module.py:function' string names code to run) (Energon "
+                             f"configs are read without running code: only plain keys and the classes this program "
+                             f"reads are accepted)")
+        assert not marker.exists()
+    else:
+        from megatron_glm5.data.energon import MAX_UNUSABLE_IN_A_ROW
+
+        assert errors[0].startswith(f"pretrain_glm5_vlm.py: error: --data-path {d}: reading the Energon dataset "
+                                    f"failed (no usable sample in {MAX_UNUSABLE_IN_A_ROW} tries in a row (the last: ")
+        assert "tokens, longer than --seq-length 16" in errors[0]
