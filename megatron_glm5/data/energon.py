@@ -19,9 +19,16 @@ unpickled); each sample becomes a document through the same chat template and pr
 (:func:`~megatron_glm5.data.pack.first_fit`) within Energon's packing buffer (``--energon-packing-buffer``) into
 rows of ``--seq-length`` tokens (:func:`~megatron_glm5.data.conversations.packed_row`) and batched with
 :func:`~megatron_glm5.data.collate.collate`. A sample that is unusable (a bad record, unreadable media, longer than
-``--seq-length``) is skipped with a notice line and counted in the next row's ``skipped_documents``; a sample
-Energon's own pipeline cannot load (a part that does not parse, a field map that does not match) is skipped with a
-notice line (:func:`_notice`), and Energon stops the run when 100 in a row fail.
+``--seq-length``, a crude sample without a ``messages`` list) is skipped with a notice line and counted in the next
+row's ``skipped_documents``, and :data:`MAX_UNUSABLE_IN_A_ROW` of them in a row stop the loader; a sample Energon's
+own pipeline cannot load (a part that does not parse, a field map that does not match) is skipped with a notice line
+(:func:`_notice`), and Energon stops the run when 100 in a row fail. A read that fails (a damaged shard) and such a
+stop reach the training loop as one :class:`~megatron_glm5.data.DataError` line (exit status 1).
+
+Configs: Energon's loader imports and calls what its YAML names (``__module__`` / ``__class__`` /
+``__function__``, ``.nv-meta/*.py`` named by ``part_filter`` / ``sample_loader``);
+:func:`~megatron_glm5.data.energon_config.check_energon_source` checks every config of the source first and refuses
+anything but plain keys and the classes read here, in one line naming the file and the key.
 
 Resume: the iterator has ``save_state()`` (Energon's ``save_state_rank()``), written per data-parallel rank into
 each checkpoint folder, ``iter_NNNNNNN/train_dataloader_dprankRRR.pt``

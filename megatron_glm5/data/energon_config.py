@@ -40,8 +40,9 @@ _REFERENCE_KEYS = {"path", "subflavors", "split_part", "subset", "shuffle_over_e
                    "split_config"}
 
 
-def load_config_file(path: str):
-    """``path`` (YAML, or JSON for a ``.json`` name) as plain Python data, parsed as Energon parses it."""
+def load_config_file(path: str, yaml_only: bool = False):
+    """``path`` (YAML, or JSON for a ``.json`` name unless ``yaml_only``) as plain Python data, parsed as Energon
+    parses it (a dataset config always as YAML)."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
@@ -49,7 +50,7 @@ def load_config_file(path: str):
         raise DataError(f"{path}: unreadable Energon config ({one_line(e)})") from None
     if len(data) > MAX_CONFIG_BYTES:
         raise DataError(f"{path}: an Energon config of more than {MAX_CONFIG_BYTES} bytes")
-    if path.endswith(".json"):
+    if path.endswith(".json") and not yaml_only:
         try:
             return json.loads(data)
         except ValueError as e:
@@ -144,7 +145,7 @@ def check_dataset_folder(folder: str, dataset_config: Optional[str] = None, spli
     file = os.path.join(meta, name)
     if not os.path.isfile(file):
         raise DataError(f"{file} not found: not a prepared Energon dataset (energon prepare writes it)")
-    cfg = _mapping(load_config_file(file), file, "the document")
+    cfg = _mapping(load_config_file(file, yaml_only=True), file, "the document")
     if "__module__" in cfg or "__class__" in cfg or "__function__" in cfg:
         _energon_class(cfg, ["CrudeWebdataset"], file, "")
         _keys(cfg, {"__module__", "__class__", "subflavors", "part_filter"}, file, "")
