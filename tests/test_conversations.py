@@ -252,3 +252,61 @@ def test_chat_flags_refused_in_one_line(chat, capsys, extra, phrase):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("pretrain_glm5_vlm.py: error: "), err
     assert phrase in err[0], err[0]
+
+
+def _write_lines(tmp_path, objs, name="c.jsonl"):
+    p = tmp_path / name
+    p.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(p)
+
+
+def test_empty_answers_train_their_closing_token(chat, tmp_path):
+    """docs/data.md: a turn's closing token is trained; an empty (or all-whitespace) answer trains it alone."""
+    root, path, cfg, processor = chat
+    proc = processor()
+    tok = proc.tokenizer
+    p = _write_lines(tmp_path, [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "  "},
+                      {"role": "user", "content": "b"}, {"role": "assistant", "content": "ok."}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "a"}]},
+                      {"role": "assistant", "content": ""}, {"role": "user", "content": "b"},
+                      {"role": "assistant", "content": ""}]}])
+    from PIL import Image
+
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "x.png")
+    for loss, want in (("assistant", ["<|endoftext|>", "<|user|>ok.<|endoftext|>", "<|user|><|endoftext|>"]),
+                       ("last", ["<|endoftext|>", "ok.<|endoftext|>", "<|endoftext|>"])):
+        docs = ChatDocuments(read_conversations([p]), proc, cfg, eod=0, loss=loss)
+        assert [_targets_text(docs, d, tok) for d in range(3)] == want, loss
+        # the first target is predicted right after an empty turn's "<|assistant|>\n" header (and its whitespace)
+        for d in (0, 2):
+            j = np.flatnonzero(docs.targets[d])[0]
+            assert tok.decode(docs.tokens[d][:j + 1]).rstrip().endswith("<|assistant|>"), (loss, d)
+        if loss == "assistant":
+            j = np.flatnonzero(docs.targets[1])[0]
+            assert tok.decode(docs.tokens[1][:j + 1]).endswith("<|assistant|>\n  "), loss
+
+
+def test_a_set_with_no_token_to_train_on_is_one_line(chat, tmp_path):
+    """Every assistant turn only an image (media tokens are never targets): refused, not trained at grad norm 0."""
+    from PIL import Image
+
+    root, path, cfg, processor = chat
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "x.png")
+    p = _write_lines(tmp_path, [{"messages": [{"role": "user", "content": "draw"},
+                                              {"role": "assistant", "content": [{"type": "image", "image": "x.png"}]}]}])
+    with pytest.raises(DataError) as e:
+        ChatDocuments(read_conversations([p]), processor(), cfg, eod=0, loss="last")
+    assert str(e.value) == ("--data-path: none of the 1 conversations has a token to train on (loss mode 'last'): "
+                            "check the assistant turns and the chat template")
+    assert ChatDocuments(read_conversations([p]), processor(), cfg, eod=0, loss="all").targets[0].sum() > 0
+
+
+def test_template_rendering_nothing_is_one_line(chat, tmp_path):
+    root, path, cfg, processor = chat
+    p = _write_lines(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": "b"}]}])
+    with pytest.raises(DataError) as e:
+        ChatDocuments(read_conversations([p]), processor("{{ '' }}"), cfg, eod=0)
+    assert str(e.value) == f"{p}:1: the chat template renders this conversation as no tokens"

@@ -16,6 +16,7 @@ files next to ``--hf-config``.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -26,6 +27,9 @@ from megatron_glm5.data.jsonl import parse_json
 _VIDEO_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std",
                "do_convert_rgb", "min_image_tokens", "max_image_tokens", "patch_expand_factor", "fps", "max_frames",
                "max_duration", "do_sample_frames")
+_VIDEO_NUMBERS = {"fps": ((int, float), 0), "max_frames": (int, 1), "max_duration": ((int, float), None),
+                  "patch_expand_factor": (int, 1)}
+"""The video processor's sampling settings: (type, lowest value) each must have."""
 MAX_TEMPLATE_BYTES = 4 * 1024 * 1024
 
 
@@ -118,7 +122,8 @@ def build_hf_tokenizer(tokenizer_model: str):
 def build_video_processor(vision_config, video_preprocessor_config: Optional[str] = None,
                           min_image_tokens: Optional[int] = None, max_image_tokens: Optional[int] = None):
     """transformers' ``Glm5NextVideoProcessor`` for ``vision_config``; the optional ``video_preprocessor_config.json``
-    (or ``preprocessor_config.json``) gives the rest and must agree on patch, temporal patch and merge sizes."""
+    (or ``preprocessor_config.json``) gives the rest and must agree on patch, temporal patch and merge sizes; ``fps``
+    must be a finite number > 0, ``max_frames`` and ``patch_expand_factor`` integers >= 1, ``max_duration`` finite."""
     from transformers.models.glm5_next.video_processing_glm5_next import Glm5NextVideoProcessor
 
     sizes = {"patch_size": vision_config.patch_size, "temporal_patch_size": vision_config.temporal_patch_size,
@@ -130,6 +135,16 @@ def build_video_processor(vision_config, video_preprocessor_config: Optional[str
             if k in pre and pre[k] != v:
                 raise DataError(f"{video_preprocessor_config}: {k}={pre[k]} disagrees with the vision config ({v})")
         kw = {k: pre[k] for k in _VIDEO_KEYS if k in pre}
+        for k, (kind, low) in _VIDEO_NUMBERS.items():
+            v = kw.get(k)
+            if v is None:
+                continue
+            ok = (isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v)
+                  and (low is None or v >= low) and (k != "fps" or v > 0))
+            if not ok:
+                want = {"fps": "a finite number > 0", "max_duration": "a finite number (<= 0: no cap)"}.get(
+                    k, f"an integer >= {low}")
+                raise DataError(f"{video_preprocessor_config}: {k} must be {want}, got {v!r}")
     if min_image_tokens is not None:
         kw["min_image_tokens"] = int(min_image_tokens)
     if max_image_tokens is not None:
