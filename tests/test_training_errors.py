@@ -148,6 +148,13 @@ def test_data_path_weight_must_be_finite_and_positive(capsys, tiny_data, weight)
     assert "--data-path: a weight must be a finite number > 0" in line, line
 
 
+def test_data_path_weights_whose_sum_overflows_are_one_line(capsys, tiny_data):
+    prefix = str(tiny_data / "text_text_document")
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", "1e308", prefix, "1e308", prefix, "--tokenizer-model", str(tiny_data)])
+    assert line.endswith("--data-path: the weights sum to more than a float holds (1e308 1e308)"), line
+
+
 # ---------------------------------------------------------------------------- --hf-config
 @pytest.mark.parametrize("content, phrase", [
     (b"[1, 2]", "holds a JSON list, not an object"),
