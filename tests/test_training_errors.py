@@ -175,6 +175,25 @@ def test_bad_hf_config_is_one_line(capsys, tmp_path, content, phrase):
     assert path.read_bytes() == content
 
 
+def test_config_sizes_no_machine_holds_are_one_line_before_allocating(tmp_path):
+    """A vocabulary of 10^12 ids: the trainer's model provider refuses it in one line naming the key, at once."""
+    import json
+    import time
+
+    from megatron_glm5.config import tiny_hf_config
+
+    hf = tiny_hf_config()
+    hf["text_config"]["vocab_size"] = 10 ** 12
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    t0 = time.time()
+    proc = run([a for a in BASE if a not in ("--model-preset", "glm5-tiny")] + ["--hf-config", str(tmp_path)],
+               timeout=300)
+    lines = error_lines(proc)
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"{PROG}: error: vocab_size: the model's weights need at least "), lines
+    assert "Traceback" not in proc.stderr and time.time() - t0 < 240
+
+
 # ---------------------------------------------------------------------------- the whole program
 @pytest.mark.parametrize("extra, flag", [
     (["--seed", "-1"], "--seed"),
