@@ -310,3 +310,38 @@ def test_template_rendering_nothing_is_one_line(chat, tmp_path):
     with pytest.raises(DataError) as e:
         ChatDocuments(read_conversations([p]), processor("{{ '' }}"), cfg, eod=0)
     assert str(e.value) == f"{p}:1: the chat template renders this conversation as no tokens"
+
+
+def test_template_loops_and_output_are_bounded(chat, tmp_path, monkeypatch):
+    """Nested range(100000) loops (10^10 steps) stop at the time bound; a huge rendering at the size bound; both one
+    line naming the conversation, and the next rendering runs normally."""
+    import time
+
+    from megatron_glm5.data import chat_template
+
+    root, path, cfg, processor = chat
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.5)
+    p = _write_lines(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": "b"}]}])
+    convs = read_conversations([p])
+    hang = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+            + GLM_CHAT_TEMPLATE)
+    t0 = time.monotonic()
+    with pytest.raises(DataError) as e:
+        ChatDocuments(convs, processor(hang), cfg, eod=0)
+    assert time.monotonic() - t0 < 30
+    assert str(e.value) == (f"{p}:1: the chat template ran longer than 0.5 s on this conversation "
+                            f"(a template loop too long)")
+    tagged = TAGGED.replace("[gMASK]", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                       "{% endfor %}[gMASK]")
+    with pytest.raises(DataError, match="ran longer than 0.5 s"):
+        ChatDocuments(convs, processor(tagged), cfg, eod=0)
+    monkeypatch.setattr(chat_template, "MAX_RENDER_CHARS", 10000)
+    with pytest.raises(DataError) as e:
+        ChatDocuments(convs, processor("{% for i in range(2000) %}xxxxxxxxxx{% endfor %}" + GLM_CHAT_TEMPLATE), cfg,
+                      eod=0)
+    assert str(e.value) == (f"{p}:1: the chat template renders this conversation as {20000 + 37} characters, more "
+                            f"than 10000")  # 37: the rendering of the conversation itself
+    docs = ChatDocuments(convs, processor(), cfg, eod=0)  # the watchdog left nothing pending
+    assert _targets_text(docs, 0, processor().tokenizer) == "b<|endoftext|>"
+    time.sleep(1.0)  # past any deadline of the stopped renderings: no late exception lands here

@@ -55,6 +55,7 @@ import torch
 
 from megatron_glm5.errors import one_line
 from megatron_glm5.data import DataError
+from megatron_glm5.data.chat_template import render_bounded
 from megatron_glm5.data.jsonl import parse_json, text_field
 from megatron_glm5.data.vqa import (ImageRef, PackedVQADataset, data_files, media_path, placeholder_ids,
                                      read_jsonl, read_webdataset)
@@ -316,21 +317,15 @@ class ChatDocuments:
 
     # ---------------------------------------------------------------- rendering
     def render(self, messages, add_generation_prompt: bool = False, where: str = "") -> str:
-        try:
-            out, _ = self._render(conversations=[messages], chat_template=self._template,
-                                  add_generation_prompt=add_generation_prompt, **self._render_kwargs)
-        except Exception as e:  # noqa: BLE001 - jinja raises many types (TemplateError, TypeError ...)
-            raise DataError(f"{where}: the chat template fails on this conversation ({one_line(e)})") from None
+        out, _ = render_bounded(self._render, where, conversations=[messages], chat_template=self._template,
+                                add_generation_prompt=add_generation_prompt, **self._render_kwargs)
         return out[0]
 
     def assistant_spans(self, messages, text: str, where: str) -> List[Tuple[int, int]]:
         """Character spans of the assistant turns in ``text`` (the rendering of ``messages``)."""
         if self.tagged:
-            try:
-                _, idx = self._render(conversations=[messages], chat_template=self._template,
-                                      return_assistant_tokens_mask=True, **self._render_kwargs)
-            except Exception as e:  # noqa: BLE001
-                raise DataError(f"{where}: the chat template fails on this conversation ({one_line(e)})") from None
+            _, idx = render_bounded(self._render, where, conversations=[messages], chat_template=self._template,
+                                    return_assistant_tokens_mask=True, **self._render_kwargs)
             return [tuple(s) for s in idx[0]]
         spans = []
         for i, m in enumerate(messages):
