@@ -345,3 +345,20 @@ def test_template_loops_and_output_are_bounded(chat, tmp_path, monkeypatch):
     docs = ChatDocuments(convs, processor(), cfg, eod=0)  # the watchdog left nothing pending
     assert _targets_text(docs, 0, processor().tokenizer) == "b<|endoftext|>"
     time.sleep(1.0)  # past any deadline of the stopped renderings: no late exception lands here
+
+
+def test_json_integer_over_the_digit_limit_is_one_line(chat, tmp_path):
+    """A JSON integer of 5,000 digits (over Python's int conversion limit) in a messages JSONL and in
+    video_preprocessor_config.json: one line naming the file."""
+    root, path, cfg, processor = chat
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "n": '
+                  + b"7" * 5000 + b"}\n")
+    with pytest.raises(DataError) as e:
+        read_conversations([str(p)])
+    assert str(e.value).startswith(f"{p}:1: bad JSON (") and "\n" not in str(e.value), str(e.value)
+    v = tmp_path / "video_preprocessor_config.json"
+    v.write_bytes(b'{"fps": ' + b"7" * 5000 + b"}")
+    with pytest.raises(DataError) as e:
+        build_video_processor(cfg.vision, str(v))
+    assert str(e.value).startswith(f"{v}: bad JSON (") and "\n" not in str(e.value), str(e.value)

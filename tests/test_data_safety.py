@@ -426,7 +426,8 @@ def test_image_bombs_corrupt_and_symlinked_images_are_one_line(data, tmp_path):
 
 @pytest.mark.parametrize("content, phrase", [
     ("[1]", "expected a JSON object"), ("[" * 100000, "nested too deeply"), ('{"image_std": [0, 0, 0]}', "non-finite"),
-    ('{"image_mean": "abc"}', "unusable"), ('{"patch_size": 3}', "disagrees with the vision config")])
+    ('{"image_mean": "abc"}', "unusable"), ('{"patch_size": 3}', "disagrees with the vision config"),
+    ('{"image_std": ' + "7" * 5000 + "}", "bad JSON")])
 def test_bad_preprocessor_config_is_one_line(tmp_path, content, phrase):
     from megatron_glm5.data.vqa import build_image_processor
 
