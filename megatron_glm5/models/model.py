@@ -74,7 +74,7 @@ class Glm5Decoder(TransformerBlock):
 
     def __init__(self, config: Glm5Config, vp_stage: Optional[int] = None, pg_collection=None,
                  pre_process: bool = True, post_process: bool = True):
-        from megatron_glm5.models.parallel_layout import check_shared_indexers
+        from megatron_glm5.config.parallelism import check_shared_indexers
 
         layer_range = get_stage_layer_range(config, vp_stage)
         check_shared_indexers(config, layer_range, "this pipeline stage")

@@ -509,7 +509,7 @@ def _check_indexer_training(args: argparse.Namespace) -> None:
     if args.dsa_indexer_warmup:
         _require((coeff or 0) > 0, "--dsa-indexer-warmup",
                  "needs --dsa-indexer-loss-coeff > 0 (the warm-up trains the indexers by their loss alone)")
-        from megatron_glm5.checkpoint.megatron_layout import start_iteration
+        from megatron_glm5.checkpoint.tracker import start_iteration
 
         args.dsa_indexer_warmup_stage = start_iteration(args) < args.dsa_indexer_warmup
         if args.dsa_indexer_warmup_stage:
@@ -525,7 +525,7 @@ def _check_warmup_stages(args: argparse.Namespace, config) -> None:
     if not getattr(args, "dsa_indexer_warmup_stage", False) or config.pipeline_model_parallel_size == 1:
         return
     from megatron_glm5.config import INDEXED_ATTENTION
-    from megatron_glm5.models.parallel_layout import mtp_on_stage, stage_layer_ranges
+    from megatron_glm5.config.parallelism import mtp_on_stage, stage_layer_ranges
 
     mtp_dsa = (config.hf_text_config.get("mtp_layer_types") or [INDEXED_ATTENTION])[0] == INDEXED_ATTENTION
     for (rank, vp), layers in sorted(stage_layer_ranges(config).items()):
