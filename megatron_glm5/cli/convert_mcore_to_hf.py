@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     def body():
         from megatron_glm5.checkpoint.atomic import check_output_path
         from megatron_glm5.checkpoint.hf_export import ExportError, export_hf_checkpoint
-        from megatron_glm5.checkpoint.megatron_layout import resolve_checkpoint_dir
+        from megatron_glm5.checkpoint.tracker import resolve_checkpoint_dir
         from megatron_glm5.checkpoint.mcore_reader import check_torch_dist, find_hf_config
 
         if not os.path.isdir(a.load):

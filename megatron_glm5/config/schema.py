@@ -1,6 +1,6 @@
 """GLM-5.3-Flash's model config on top of megatron-core's ``MLATransformerConfig``: every field with its docstring,
 and the checks of a field's value (``validate_glm`` raises one ``Glm5ConfigError`` naming the first inconsistent
-field; the parallel layout is checked by :mod:`megatron_glm5.models.parallel_layout`).
+field; the parallel layout is checked by :mod:`megatron_glm5.config.parallelism`).
 
 Which kernels, graphs and fused paths run is not a config field's default: the backend fields name the reference
 paths, and :func:`megatron_glm5.execution_plan.resolve_execution_plan` decides what runs on a device.
@@ -21,7 +21,7 @@ from megatron_glm5.config.hf_defaults import HF_TOP_DEFAULTS as _HF_TOP
 from megatron_glm5.config.vision import Glm5VisionConfig
 from megatron_glm5.errors import Glm5ConfigError
 from megatron_glm5.layer_types import DENSE_MLP, INDEXED_ATTENTION, LINEAR_ATTENTION, SPARSE_MLP
-from megatron_glm5.models.parallel_layout import prepare_parallel_layout
+from megatron_glm5.config.parallelism import prepare_parallel_layout
 
 KDA_BACKENDS = ("torch", "fla", "fla_fused")
 KDA_CONV_KERNELS = ("triton", "fla")

@@ -200,11 +200,12 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--hf-config", help="HF checkpoint dir or config.json giving the architecture")
     g.add_argument("--model-preset", choices=MODEL_PRESETS, help="built-in architecture instead of --hf-config")
     g.add_argument("--kda-backend", choices=KDA_BACKENDS,
-                   help="KDA kernel (default: fla_fused on CUDA with flash-linear-attention, torch otherwise)")
+                   help="KDA kernel (default, the execution plan's: fla_fused on CUDA with flash-linear-attention in bf16, "
+                        "torch otherwise, fp32 included)")
     g.add_argument("--dsa-backend", choices=DSA_BACKENDS,
                    help="sparse-attention kernel (default: fused on CUDA with triton, torch otherwise)")
     g.add_argument("--moe-experts-backend", choices=MOE_EXPERTS_BACKENDS,
-                   help="routed experts (default: grouped on CUDA, sequential on CPU)")
+                   help="routed experts (default: grouped on CUDA in bf16, sequential otherwise)")
     g.add_argument("--moe-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="run the MoE layers as replayed CUDA graphs where eligible (default: on with CUDA; they "
                         "run eagerly under EP/TP/CP > 1, the global aux loss, sinkhorn routing, token dropping or recompute)")
@@ -512,7 +513,7 @@ def _check_indexer_training(args: argparse.Namespace) -> None:
     if args.dsa_indexer_warmup:
         _require((coeff or 0) > 0, "--dsa-indexer-warmup",
                  "needs --dsa-indexer-loss-coeff > 0 (the warm-up trains the indexers by their loss alone)")
-        from megatron_glm5.checkpoint.megatron_layout import start_iteration
+        from megatron_glm5.checkpoint.tracker import start_iteration
 
         args.dsa_indexer_warmup_stage = start_iteration(args) < args.dsa_indexer_warmup
         if args.dsa_indexer_warmup_stage:
@@ -528,7 +529,7 @@ def _check_warmup_stages(args: argparse.Namespace, config) -> None:
     if not getattr(args, "dsa_indexer_warmup_stage", False) or config.pipeline_model_parallel_size == 1:
         return
     from megatron_glm5.config import INDEXED_ATTENTION
-    from megatron_glm5.models.parallel_layout import mtp_on_stage, stage_layer_ranges
+    from megatron_glm5.config.parallelism import mtp_on_stage, stage_layer_ranges
 
     mtp_dsa = (config.hf_text_config.get("mtp_layer_types") or [INDEXED_ATTENTION])[0] == INDEXED_ATTENTION
     for (rank, vp), layers in sorted(stage_layer_ranges(config).items()):
@@ -808,10 +809,8 @@ def model_config_from_args(args, device: str):
     import torch
 
     from megatron_glm5.config import Glm5Config
-    from megatron_glm5.execution_plan import default_backends
 
     hf = args.hf_config_dict
-    backends = default_backends(device)
     overrides = dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -842,12 +841,12 @@ def model_config_from_args(args, device: str):
         mtp_num_layers=args.mtp_num_layers or None,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         init_method_std=args.init_method_std,
-        kda_backend=args.kda_backend or backends["kda_backend"],
-        dsa_backend=args.dsa_backend or backends["dsa_backend"],
-        moe_experts_backend=args.moe_experts_backend or backends["moe_experts_backend"],
-        moe_cuda_graph=backends["moe_cuda_graph"] if args.moe_cuda_graph is None else args.moe_cuda_graph,
-        kda_save_intermediates=(backends.get("kda_save_intermediates", False) if args.kda_save_intermediates is None
-                                else args.kda_save_intermediates),
+        # the backend flags as given: None leaves the choice to the execution plan (resolve_execution_plan)
+        kda_backend=args.kda_backend,
+        dsa_backend=args.dsa_backend,
+        moe_experts_backend=args.moe_experts_backend,
+        moe_cuda_graph=args.moe_cuda_graph,
+        kda_save_intermediates=args.kda_save_intermediates,
     )
     if args.num_layers_per_virtual_pipeline_stage is not None:
         overrides["num_layers_per_virtual_pipeline_stage"] = args.num_layers_per_virtual_pipeline_stage

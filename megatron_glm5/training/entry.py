@@ -124,7 +124,7 @@ def _deliver_dropped_interrupt() -> None:
 
 def _last_checkpoint(save: Optional[str]) -> str:
     """'; the last checkpoint (iteration N) in SAVE is intact' when SAVE's tracker names one."""
-    from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, read_tracker
+    from megatron_glm5.checkpoint.tracker import CheckpointDirError, read_tracker
 
     try:
         folder = read_tracker(save) if save else None
