@@ -604,6 +604,26 @@ def escape_help_percents(parser: argparse.ArgumentParser, prog: str) -> None:
                 action.help = action.help.replace("%", "%%")
 
 
+def read_enum_choices_by_name(parser: argparse.ArgumentParser) -> None:
+    """A flag whose choices are an enum's members reads its value by member name
+    (``megatron.training.argument_utils``): a value that names no member is argparse's invalid-choice error, not a
+    KeyError traceback."""
+    import enum
+
+    for action in parser._actions:
+        if action.type is not None and action.choices and all(isinstance(c, enum.Enum) for c in action.choices):
+            action.type = _member_by_name(action.type, [c.name for c in action.choices])
+
+
+def _member_by_name(read, names: List[str]):
+    def read_member(text: str):
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, names))})")
+        return read(text)
+
+    return read_member
+
+
 _UNRECOGNIZED = "unrecognized arguments: "
 
 
@@ -632,6 +652,7 @@ def _one_line_parser_errors(prog: str):
         parser.prog = prog
         parser.error = lambda message: fail(suggest_flag(message, parser._option_string_actions), prog)
         escape_help_percents(parser, prog)
+        read_enum_choices_by_name(parser)
         return add_glm5_arguments(parser)
 
     return provider
