@@ -174,3 +174,15 @@ def test_tool_help_and_argument_errors_without_torch(script):
     assert (code, heavy, out) == (2, [], "")
     assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
     assert wall < WALL_S, wall
+
+
+@pytest.mark.parametrize("script, argv, line", [
+    ("tools/convert_mcore_to_hf.py", ["--load", "/nonexistent", "--out", "/nonexistent/out"],
+     "convert_mcore_to_hf: error: --load /nonexistent: no such directory"),
+    ("tools/make_tiny_hf_checkpoint.py", ["--out", "/nonexistent/out", "--layers", "1"],
+     "make_tiny_hf_checkpoint: error: --layers must be >= 2 (one KDA and one DSA layer)"),
+])
+def test_tool_input_errors_without_torch(script, argv, line):
+    code, heavy, out, err, wall = run_script(script, argv)
+    assert (code, heavy, out, err) == (2, [], "", [line])
+    assert wall < WALL_S, wall
