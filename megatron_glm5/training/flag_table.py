@@ -203,7 +203,8 @@ def _help_text(row: dict, first: dict) -> Optional[str]:
     if text == argparse.SUPPRESS:
         return text
     text = text or ""
-    if row["action"] not in ("_HelpAction", "_VersionAction") and "%(default)" not in text:
+    said = "%(default)" in text or "(default:" in text  # a help that states its default itself
+    if row["action"] not in ("_HelpAction", "_VersionAction") and not said:
         row = first
         machine = row.get("machine_default")
         if machine and machine["cuda"] != machine["cpu"]:
