@@ -463,6 +463,9 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
         if _is_number(w):
             _require(math.isfinite(float(w)) and float(w) > 0, "--data-path",
                      f"a weight must be a finite number > 0 (got {w})")
+    weights = [w for w in (args.data_path or []) if _is_number(w)]
+    _require(math.isfinite(sum(float(w) for w in weights)), "--data-path",  # megatron-core divides by the sum
+             f"the weights sum to more than a float holds ({' '.join(weights)})")
     check_split(args.split, train=bool(files))
     _require(args.mock_data or files, "--data-path", "give --data-path or --mock-data")
     _require(not (args.mock_data and files), "--mock-data", "give either --mock-data or --data-path, not both")
