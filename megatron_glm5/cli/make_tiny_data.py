@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     from megatron_glm5.cli.common import quiet_library_warnings, run_cli
 
     quiet_library_warnings()
-    return run_cli(PROG, lambda: _write(p, args))
+    return run_cli(PROG, lambda: _write(p, args), lean=True)  # no model code
 
 
 def _write(p, args) -> int:

@@ -194,6 +194,17 @@ def check_split(split: Optional[str], train: bool) -> None:
 def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM ``extra_args_provider``: the GLM-5.3 flags, and the defaults this model needs where Megatron-LM's
     would pick a path it does not have (no Transformer Engine layers; gloo without CUDA)."""
+    import torch
+
+    add_glm5_flags(parser)
+    machine = machine_defaults(torch.cuda.is_available())
+    parser.set_defaults(**{k: v for k, v in machine.items() if _has_dest(parser, k)})
+    return parser
+
+
+def add_glm5_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The GLM-5.3 flags and this model's defaults for Megatron-LM's flags (:data:`GLM5_DEFAULTS`), without the
+    machine's (:func:`machine_defaults`)."""
     from megatron_glm5.config import DSA_BACKENDS, KDA_BACKENDS, MOE_EXPERTS_BACKENDS
 
     g = parser.add_argument_group("GLM-5.3 model")
@@ -261,23 +272,26 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--no-fused-optimizer-step", dest="fused_optimizer_step", action="store_false",
                    help="keep megatron-core's optimizer step (clip, Adam, copy to the model weights)")
 
-    import torch
-
-    # this model's layers are megatron-core's local modules and its own (no Transformer Engine spec) and carry no
-    # position embedding (KDA, NoPE sparse attention); a non-finite step is skipped and counted (megatron_hooks), not
-    # handed to the rerun state machine unless asked; with CUDA torch's fused Adam runs, without it the process
-    # groups are gloo's and CUDA-only fusions are off (gradient-accumulation fusion is not one: megatron_glm5's
-    # mcore_extensions runs it on CPU tensors too, so the CPU runs take the GPU's gradient path)
-    defaults = dict(transformer_impl="local", position_embedding_type="none", check_for_nan_in_loss_and_grad=False)
-    if torch.cuda.is_available():
-        defaults.update(torch_fused_adam=True, fused_optimizer_step=True)
-    else:
-        defaults.update(distributed_backend="gloo", bias_gelu_fusion=False,
-                        bias_swiglu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-                        persist_layer_norm=False, apply_rope_fusion=False, cross_entropy_loss_fusion=False,
-                        attention_backend=_attention_backend("unfused"))
-    parser.set_defaults(**{k: v for k, v in defaults.items() if _has_dest(parser, k)})
+    parser.set_defaults(**{k: v for k, v in GLM5_DEFAULTS.items() if _has_dest(parser, k)})
     return parser
+
+
+# this model's layers are megatron-core's local modules and its own (no Transformer Engine spec) and carry no position
+# embedding (KDA, NoPE sparse attention); a non-finite step is skipped and counted (megatron_hooks), not handed to the
+# rerun state machine unless asked
+GLM5_DEFAULTS = dict(transformer_impl="local", position_embedding_type="none", check_for_nan_in_loss_and_grad=False)
+
+
+def machine_defaults(cuda: bool) -> dict:
+    """The defaults that depend on the machine: with CUDA torch's fused Adam runs, without it the process groups are
+    gloo's and CUDA-only fusions are off (gradient-accumulation fusion is not one: megatron_glm5's mcore_extensions
+    runs it on CPU tensors too, so the CPU runs take the GPU's gradient path)."""
+    if cuda:
+        return dict(torch_fused_adam=True, fused_optimizer_step=True)
+    return dict(distributed_backend="gloo", bias_gelu_fusion=False, bias_swiglu_fusion=False,
+                bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+                apply_rope_fusion=False, cross_entropy_loss_fusion=False,
+                attention_backend=_attention_backend("unfused"))
 
 
 def _attention_backend(name: str):
@@ -326,10 +340,9 @@ def hf_config_dict(hf_config: Optional[str], model_preset: Optional[str], num_la
     return hf
 
 
-def _architecture(argv: List[str]):
-    """(HF config dict, Glm5Config of the bare architecture) of the flags in ``argv``."""
-    from megatron_glm5.config import Glm5Config, Glm5ConfigError
-
+def check_architecture_flags(argv: List[str]) -> argparse.Namespace:
+    """The flags that name the architecture (:func:`_preparse`), checked without reading the config (no torch);
+    raises :class:`ArgumentError`."""
     pre = _preparse(argv)
     _require(bool(pre.hf_config) != bool(pre.model_preset), "--hf-config",
              "give exactly one of --hf-config DIR and --model-preset")
@@ -338,6 +351,14 @@ def _architecture(argv: List[str]):
         _require(os.path.isfile(path), "--hf-config", f"no config.json at {pre.hf_config}")
     if pre.num_layers is not None:
         _require(pre.num_layers >= 1, "--num-layers", "must be >= 1")
+    return pre
+
+
+def _architecture(argv: List[str]):
+    """(HF config dict, Glm5Config of the bare architecture) of the flags in ``argv``."""
+    from megatron_glm5.config import Glm5Config, Glm5ConfigError
+
+    pre = check_architecture_flags(argv)
     try:
         hf = hf_config_dict(pre.hf_config, pre.model_preset, pre.num_layers)
         return hf, Glm5Config.from_hf(hf, use_cpu_initialization=True)
@@ -577,6 +598,55 @@ def _argv(argv: List[str], prog: str):
         sys.argv = saved
 
 
+def escape_help_percents(parser: argparse.ArgumentParser, prog: str) -> None:
+    """A literal '%' in a Megatron-LM help text makes --help raise: escaped as '%%'."""
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                action.help % dict(vars(action), prog=prog)
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
+
+
+def read_enum_choices_by_name(parser: argparse.ArgumentParser) -> None:
+    """A flag whose choices are an enum's members reads its value by member name
+    (``megatron.training.argument_utils``): a value that names no member is argparse's invalid-choice error, not a
+    KeyError traceback."""
+    import enum
+
+    for action in parser._actions:
+        if action.type is not None and action.choices and all(isinstance(c, enum.Enum) for c in action.choices):
+            action.type = _member_by_name(action.type, [c.name for c in action.choices])
+
+
+def _member_by_name(read, names: List[str]):
+    def read_member(text: str):
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, names))})")
+        return read(text)
+
+    return read_member
+
+
+_UNRECOGNIZED = "unrecognized arguments: "
+
+
+def suggest_flag(message: str, options) -> str:
+    """argparse's error ``message``, an unknown flag followed by the closest of ``options`` (the parser's option
+    strings): 'unrecognized arguments: --lr-decay-stlye cosine (did you mean --lr-decay-style?)'."""
+    import difflib
+
+    if not message.startswith(_UNRECOGNIZED):
+        return message
+    for token in message[len(_UNRECOGNIZED):].split():
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, [o for o in options if o.startswith("--")], n=1, cutoff=0.75)
+            if close:
+                return f"{message} (did you mean {close[0]}?)"
+    return message
+
+
 def _one_line_parser_errors(prog: str):
     """The extra-args provider, with the parser's own errors (unknown flag, bad choice or type) as one line; the
     parser it was given is kept as ``provider.parser``."""
@@ -584,13 +654,9 @@ def _one_line_parser_errors(prog: str):
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         provider.parser = parser
         parser.prog = prog
-        parser.error = lambda message: fail(message, prog)
-        for action in parser._actions:  # a literal '%' in a Megatron-LM help text makes --help raise
-            if action.help and "%" in action.help:
-                try:
-                    action.help % dict(vars(action), prog=prog)
-                except (ValueError, TypeError, KeyError):
-                    action.help = action.help.replace("%", "%%")
+        parser.error = lambda message: fail(suggest_flag(message, parser._option_string_actions), prog)
+        escape_help_percents(parser, prog)
+        read_enum_choices_by_name(parser)
         return add_glm5_arguments(parser)
 
     return provider
@@ -660,6 +726,12 @@ def check_unsupported_features(args: argparse.Namespace) -> None:
     _require(not args.distribute_saved_activations, "--distribute-saved-activations",
              "not supported by this model's decoder (megatron-core also refuses it with --sequence-parallel, "
              "which the MoE layers need under tensor parallelism)")
+
+
+def check_precision(args: argparse.Namespace) -> None:
+    """The model config carries bf16 or fp32 only (megatron-core's Float16Module refused an fp16 model with a
+    traceback)."""
+    _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
 
 
 # config fields that a message may name, and the flags that set them
@@ -736,7 +808,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             validate_args(args, {k: v for k, v in defaults.items() if getattr(args, k, None) != v})
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
             # only, and megatron-core's Float16Module refused an fp16 model with a traceback
-            _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
+            check_precision(args)
             check_flags_reach_the_model(args, model_config, given)
             unset_global_variables()  # a second parse in one process (tests) replaces the first
             set_global_variables(args, build_tokenizer=False)
@@ -805,12 +877,16 @@ def check_flags_reach_the_model(args: argparse.Namespace, model_config, given: D
 
 def model_config_from_args(args, device: str):
     """The Glm5Config of this run: architecture from --hf-config / --model-preset, everything else from Megatron-LM's
-    flags."""
-    import torch
-
+    flags (:func:`model_config_overrides`)."""
     from megatron_glm5.config import Glm5Config
 
-    hf = args.hf_config_dict
+    return Glm5Config.from_hf(args.hf_config_dict, **model_config_overrides(args, device))
+
+
+def model_config_overrides(args, device: str) -> dict:
+    """The model config fields the flags set, over the architecture's: ``{field: value}``."""
+    import torch
+
     overrides = dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -856,4 +932,4 @@ def model_config_from_args(args, device: str):
         overrides["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
     if args.decoder_last_pipeline_num_layers is not None:
         overrides["num_layers_in_last_pipeline_stage"] = args.decoder_last_pipeline_num_layers
-    return Glm5Config.from_hf(hf, **overrides)
+    return overrides

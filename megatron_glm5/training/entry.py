@@ -258,6 +258,9 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
     """:func:`run_pretrain`'s work; ``run['save']`` is set to ``--save`` once the flags are read."""
     import time
 
+    from megatron_glm5.training.flag_table import check_flags_fast
+
+    check_flags_fast(argv, prog)  # --help and the flag errors that need no torch, from the flag table's snapshot
     _quiet_megatron()
     import torch
 
