@@ -16,17 +16,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import warnings
 from typing import Callable, List, Optional
 
 
 def _quiet_megatron() -> None:
-    """megatron-core's import-time and set-up warnings (no Transformer Engine, Apex, ...) are not the user's
-    business; its own logging stays at WARNING for real problems."""
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # data-loader workers
-    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+    """The stack's messages a user cannot act on, hidden by their exact text (:mod:`megatron_glm5.training.quiet`)."""
+    from megatron_glm5.training import quiet
+
+    quiet.install_warnings()
+    quiet.install_logs()
     # a log line that cannot be written (stdout on a full disk) is not a traceback per line: the run's own next
     # write of stdout fails with ENOSPC and ends the run with one line
     logging.raiseExceptions = False
@@ -285,6 +283,9 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     args = parse_args(argv, prog)
     run["save"] = args.save
+    from megatron_glm5.training import quiet
+
+    quiet.install_logs(args)
     from megatron.training.utils import print_rank_0
 
     if os.environ.get("MEGATRON_GLM5_CHECK_ARGS") == "1":  # the examples' DRY_RUN: the flags only
@@ -296,7 +297,8 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
 
     if args.save:
         megatron_hooks.install_checkpoint_writer_queue()
-    print_rank_0(megatron_hooks.describe() + "; --save: " + ", ".join(save_guard.install()))
+    save_guard.install()
+    print_rank_0(megatron_hooks.describe(["save guards"]))
     if args.test_kill_during_save is not None:
         megatron_hooks.install_test_kill_during_save(args.test_kill_during_save)
     from megatron.training.training import set_startup_timestamps
