@@ -270,12 +270,13 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from megatron_glm5.training import flops, megatron_hooks, memory_report
+    from megatron_glm5.training import flops, megatron_hooks, memory_report, moe_load_logging
     from megatron_glm5.training.arguments import parse_args
 
     megatron_hooks.install()
     flops.install()
     memory_report.install()
+    moe_load_logging.install()
     if "RANK" not in os.environ:  # plain `python pretrain_glm5_vlm.py`: a world of one process
         from megatron_glm5.initialize import free_port
 
