@@ -86,3 +86,40 @@ def test_tensorboard_tags_are_the_documented_ones(start):
     assert all(0.0 <= v <= 100.0 for _, v in tags["mtp_1_acceptance_rate"])  # percent
     assert not [t for t in tags if "cumulative_acceptance_rate" in t]
     assert "lm loss" in tags and not [t for t in tags if t.startswith("data/")]  # mock rows carry no counts
+
+
+def test_a_run_that_fails_before_its_first_iteration_leaves_no_event_file(tmp_path):
+    """A resume refused after start-up (a learning-rate schedule unlike the checkpoint's) ends with one line and
+    leaves no TensorBoard event file (it held the arguments text only); a run that logged iterations keeps its."""
+    import os
+
+    ckpt = str(tmp_path / "ckpt")
+    common = TINY + ["--mock-data", "--save", ckpt, "--load", ckpt, "--save-interval", "2"]
+    first = run(common + ["--train-iters", "3", "--tensorboard-dir", str(tmp_path / "tb1")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [f for f in os.listdir(tmp_path / "tb1") if f.startswith("events.")]
+    second = run(common + ["--train-iters", "5", "--tensorboard-dir", str(tmp_path / "tb2")])
+    lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert second.returncode == 1 and "learning-rate schedule" in lines[-1], second.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "tb2") or not [f for f in os.listdir(tmp_path / "tb2")
+                                                      if f.startswith("events.")]
+
+
+def test_make_tiny_data_names_its_output_not_its_temporary_folder(tmp_path):
+    """make_tiny_data writes into a temporary folder renamed at the end: its one line names the output folder, and
+    preprocess_data (run inside it) prints no line naming the temporary folder."""
+    import os
+    import subprocess
+    import sys
+
+    from training_harness import REPO
+
+    out = tmp_path / "tiny"
+    proc = subprocess.run([sys.executable, "tools/make_tiny_data.py", "--out", str(out), "--text-docs", "4",
+                           "--vqa-docs", "2"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"make_tiny_data: wrote {out / 'tokenizer.json'}, 4 text "
+                                                   f"documents ({out / 'text_text_document'})"), lines
+    assert (out / "text_text_document.idx").is_file()

@@ -208,8 +208,11 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
         return 2
     run = {}
     _quiet_threads_after_ctrl_c()
+    finished = False
     try:
-        return _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)
+        code = _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)
+        finished = code == 0
+        return code
     except KeyboardInterrupt:
         return _exit(f"{prog}: interrupted{_last_checkpoint(run.get('save'))}", 130, every_rank_hit_it=True)
     except Exception as e:  # noqa: BLE001 - user errors become one line; anything else is re-raised as it was
@@ -227,6 +230,33 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
 
         last = "" if isinstance(e, SaveGuardError) else _last_checkpoint(run.get("save"))  # --save is not this run's
         return _exit(f"{prog}: error: {_user_message(e)}{last}", code, every_rank_hit_it=isinstance(e, SaveFailed))
+    finally:
+        if not finished:
+            _drop_event_file_without_scalars()
+
+
+def _drop_event_file_without_scalars() -> None:
+    """After a failed run: this process's TensorBoard event file (Megatron-LM's writer, created at start-up) is
+    removed when it holds no scalar (a run that stopped before its first logged iteration: only the arguments
+    text); a file with any scalar is kept. The directory and any other file are left as they are."""
+    import sys
+
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    writer = getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
+    event_writer = getattr(getattr(writer, "file_writer", None), "event_writer", None)
+    path = getattr(event_writer, "_file_name", None)
+    if path is None:
+        return
+    try:
+        writer.close()
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        has_scalars = any(v.HasField("simple_value") or v.metadata.plugin_data.plugin_name == "scalars"
+                          for event in EventFileLoader(path).Load() for v in event.summary.value)
+        if not has_scalars:
+            os.remove(path)
+    except Exception:  # noqa: BLE001 - the run's own error line is what the user reads; the file stays
+        return
 
 
 def _user_message(e: BaseException) -> str:
