@@ -88,25 +88,26 @@ def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verb
     state; returns ``(weight and optimizer MB, None, same)``, activations not estimated."""
     from megatron.core import parallel_state
 
-    if _REPORTED["theoretical"]:  # Megatron-LM asks again after the second iteration; these figures do not change
-        return _REPORTED["theoretical"]
     mem = rank_memory(model_chunks(), args.optimizer, bool(args.use_distributed_optimizer),
                       parallel_state.get_data_parallel_world_size(),
                       parallel_state.get_expert_data_parallel_world_size(), getattr(args, "sgd_momentum", 0.0))
-    if verbose:
-        print(f"Number of parameters on this rank in billions: {mem.parameters / 1e9:.4f} (expert-parallel "
-              f"{mem.expert_parallel_parameters / 1e9:.4f}, frozen {mem.frozen_parameters / 1e9:.4f})")
     total = mem.total_bytes / _MB
     state = (f"{mem.optimizer_bytes / _MB:.2f}" if mem.optimizer_bytes is not None
              else f"not estimated for --optimizer {args.optimizer}")
-    print(f"Theoretical memory footprints: weight and optimizer={total:.2f} MB (weights {mem.weight_bytes / _MB:.2f}, "
-          f"gradient buffers {mem.grad_bytes / _MB:.2f}, optimizer state {state}); activations not estimated for "
-          f"this model (the measured peak follows)", flush=True)
-    _REPORTED["theoretical"] = (total, None, total)
+    lines = [f"Theoretical memory footprints: weight and optimizer={total:.2f} MB (weights {mem.weight_bytes / _MB:.2f}, "
+             f"gradient buffers {mem.grad_bytes / _MB:.2f}, optimizer state {state}); activations not estimated for "
+             f"this model (the measured peak follows)"]
+    if verbose:
+        lines.insert(0, f"Number of parameters on this rank in billions: {mem.parameters / 1e9:.4f} (expert-parallel "
+                        f"{mem.expert_parallel_parameters / 1e9:.4f}, frozen {mem.frozen_parameters / 1e9:.4f})")
+    text = "\n".join(lines)
+    if text != _REPORTED["last"]:  # Megatron-LM asks after the first two iterations: the same figures once
+        print(text, flush=True)
+        _REPORTED["last"] = text
     return total, None, total
 
 
-_REPORTED = {"theoretical": None}
+_REPORTED = {"last": None}
 
 
 def report_memory_cpu(name, process_group=None):
