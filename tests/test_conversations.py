@@ -232,6 +232,34 @@ def test_memorise_conversations_through_pretrain(chat, tmp_path, with_videos):
     assert "packed chat train:" in proc.stdout and "tokens text" in proc.stdout
 
 
+def test_data_counters_are_training_totals_one_point_per_iteration(chat, tmp_path):
+    """TensorBoard data/* tags: one point per iteration (step = iteration) and the running totals of the training
+    micro batches only: a run that validates (--eval-interval 1) writes the same series as one that does not."""
+    from training_harness import TINY, run, scalars
+
+    root, path, cfg, processor = chat
+    args = list(TINY)
+    args[args.index("--seq-length") + 1] = "128"
+    args[args.index("--micro-batch-size") + 1] = "1"
+    args[args.index("--global-batch-size") + 1] = "2"  # two micro batches per iteration
+    base = args + ["--dataset-type", "chat", "--data-path", str(path), "--tokenizer-model", str(root / "hf"),
+                   "--split", "2,1,0", "--train-iters", "3"]
+    series = {}
+    for name, extra in (("plain", []), ("validated", ["--eval-iters", "2", "--eval-interval", "1"])):
+        tb = tmp_path / name
+        proc = run(base + extra + ["--tensorboard-dir", str(tb)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        s = scalars(tb)
+        series[name] = {tag: s[tag] for tag in ("data/text-tokens", "data/image-tokens", "data/video-tokens")}
+        if extra:
+            assert "lm loss validation" in s
+    for tag, points in series["plain"].items():
+        assert [step for step, _ in points] == [1, 2, 3], (tag, points)
+        assert all(b >= a for (_, a), (_, b) in zip(points, points[1:])), (tag, points)
+    assert series["plain"]["data/text-tokens"][0][1] > 0
+    assert series["validated"] == series["plain"]
+
+
 @pytest.mark.parametrize("extra, phrase", [
     (["--dataset-type", "vqa", "--loss-on-all-turns"], "--loss-on-all-turns: only --dataset-type chat reads it"),
     (["--dataset-type", "chat", "--loss-on-all-turns", "--loss-on-last-turn-only"], "not allowed with argument"),

@@ -187,7 +187,9 @@ def preprocess(args) -> dict:
     return counts
 
 
-def main(argv=None) -> int:
+def main(argv=None, report: bool = True) -> int:
+    """The command line; returns the exit status. ``report=False``: no closing "wrote ..." line (a caller that
+    writes into a temporary folder and renames it says what it wrote itself)."""
     p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
@@ -219,6 +221,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: internal error: {type(e).__name__}: {one_line(e)} (set {TRACEBACK_ENV}=1 for the "
               f"traceback)", file=sys.stderr)
         return 1
+    if not report:
+        return 0
     print(f"{PROG}: wrote {c['documents']} documents ({c['tokens']} tokens, {c['dtype']}"
           + (f", {c['skipped_empty']} empty skipped" if c["skipped_empty"] else "")
           + f") to {', '.join(o + '.bin/.idx' for o in c['outputs'])} in {c['seconds']:.1f} s")

@@ -773,6 +773,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
     from megatron.training.arguments import validate_args
     from megatron.training.global_vars import _build_tokenizer, set_global_variables, unset_global_variables
 
+    from megatron_glm5.training.model_args import deferred_args_dump, print_args, set_args_as_built
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         with _argv(argv, prog):
@@ -805,11 +807,14 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
         _check_warmup_stages(args, model_config)
         with contextlib.redirect_stdout(megatron_noise):
             # (only the defaults a flag overrides: Megatron-LM warns about every default already set, equal or not)
-            validate_args(args, {k: v for k, v in defaults.items() if getattr(args, k, None) != v})
+            with deferred_args_dump():  # printed below, once the arguments are set as the model is built
+                validate_args(args, {k: v for k, v in defaults.items() if getattr(args, k, None) != v})
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
             # only, and megatron-core's Float16Module refused an fp16 model with a traceback
             check_precision(args)
             check_flags_reach_the_model(args, model_config, given)
+            set_args_as_built(args, model_config)
+            print_args(args)
             unset_global_variables()  # a second parse in one process (tests) replaces the first
             set_global_variables(args, build_tokenizer=False)
             try:  # Megatron-LM's own tokenizer build, its failure named by the flag
