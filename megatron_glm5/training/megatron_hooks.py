@@ -11,7 +11,10 @@
   ``--max-consecutive-skipped-iterations`` in a row end the run (:class:`TrainingStopped`, exit 1). A model that
   holds a NaN/inf weight anyway (a buffer such as the expert bias) is never saved: the run stops instead.
 * **fp32 islands under bf16** get param groups of their own (``ParamKey(attr='keep_fp32')``), so that fp32 master
-  weights pair with the right parameters.
+  weights pair with the right parameters; a resume pairs them with their own saved groups
+  (:func:`~megatron_glm5.training.optimizer.identify_fp32_island_groups`), and without the distributed optimizer
+  megatron-core's bf16 optimizer maps its state to the checkpoint in the torch optimizer's parameter order, those
+  groups included (:func:`~megatron_glm5.training.optimizer.map_fp32_params_in_checkpoints`).
 * **--fused-optimizer-step** (default on CUDA): the distributed optimizer's clip, Adam step and copy into the
   model weights in one pass per main weight (:mod:`megatron_glm5.training.fused_optimizer_step`).
 * **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
@@ -113,16 +116,20 @@ def _glm5_get_megatron_optimizer(upstream):
         from megatron.core.optimizer.optimizer_config import ParamKey
         from megatron.training import get_args
 
-        from megatron_glm5.training.optimizer import optimizer_parts, sgd_init_state, use_torch_fused_adam
+        from megatron_glm5.training.optimizer import (FP32_ISLAND_KEY, identify_fp32_island_groups,
+                                                      map_fp32_params_in_checkpoints, optimizer_parts, sgd_init_state,
+                                                      use_torch_fused_adam)
 
         args = get_args()
         if config.bf16:
             config_overrides = dict(config_overrides or {})
-            config_overrides[ParamKey(attr="keep_fp32")] = {"fp32_island": True}
+            config_overrides[ParamKey(attr="keep_fp32")] = {FP32_ISLAND_KEY: True}
+            identify_fp32_island_groups()
         optimizer = upstream(config, model_chunks, config_overrides=config_overrides, **kwargs)
         for part in optimizer_parts(optimizer):
             if config.optimizer == "sgd" and getattr(part, "init_state_fn", None) is None:
                 part.init_state_fn = sgd_init_state  # megatron-core has none for SGD: its checkpoints could not load
+        map_fp32_params_in_checkpoints(optimizer)  # the fp32 islands' groups beside the bf16 ones
         from megatron.training.utils import print_rank_0
 
         if args.fused_optimizer_step:
