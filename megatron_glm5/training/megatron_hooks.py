@@ -29,7 +29,8 @@
   results queue in a ``multiprocessing`` manager process, started on the first save, that inherits the trainer's
   stdout / stderr and outlives it when the trainer is killed (a ``| tee`` or a launcher then waits forever). The
   queue is made here, by a manager whose process gets SIGKILL when the trainer dies (``PR_SET_PDEATHSIG``), leaves
-  Ctrl-C to the trainer and writes to /dev/null.
+  Ctrl-C and SIGTERM to the trainer (a signal to the whole process group, as Slurm sends, would otherwise end it
+  before the exit save) and writes to /dev/null.
 * **The dataset helpers are not rebuilt.** ``initialize_megatron`` runs ``make`` in megatron-core's ``datasets``
   folder to build its C++ index helpers; the released wheel ships them built (``helpers_cpp``) and no Makefile, so
   the ``make`` fails and the run exits. The build is skipped when ``helpers_cpp`` imports.
@@ -258,23 +259,34 @@ class _Glm5DistCheckpointing:
 
         from megatron_glm5.training.checkpoint_checks import check_resume_state, verify_checkpoint_files
 
-        verify_checkpoint_files(str(checkpoint_dir))
+        run = getattr(global_vars, "_GLOBAL_ARGS", None)  # None while Megatron-LM reads --use-checkpoint-args
+        verify_checkpoint_files(str(checkpoint_dir), _trusted(run))
         state = _load_or_one_line(checkpoint_dir, self._module.load_common_state_dict, checkpoint_dir, *args,
                                   **kwargs)
-        run = getattr(global_vars, "_GLOBAL_ARGS", None)  # None while Megatron-LM reads --use-checkpoint-args
         if run is not None:
             check_resume_state(str(checkpoint_dir), state, run)
         return state
 
     def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        from megatron.training import global_vars
+
         from megatron_glm5.training.checkpoint_checks import check_tensors_match, verify_checkpoint_files
 
-        verify_checkpoint_files(str(checkpoint_dir))
+        verify_checkpoint_files(str(checkpoint_dir), _trusted(getattr(global_vars, "_GLOBAL_ARGS", None)))
         check_tensors_match(sharded_state_dict, str(checkpoint_dir))
         if "verify_integrity" in kwargs:
             kwargs["verify_integrity"] = False  # verified above, integrity.json or the converter's checksums.sha256
         return _load_or_one_line(checkpoint_dir, self._module.load, sharded_state_dict, checkpoint_dir, *args,
                                  **kwargs)
+
+
+def _trusted(run) -> bool:
+    """Whether the run (Megatron-LM's args, or None before they are set) loads a checkpoint without a manifest."""
+    if run is None:
+        import sys
+
+        return "--trust-unverified-checkpoint" in sys.argv
+    return bool(getattr(run, "trust_unverified_checkpoint", False))
 
 
 def _load_or_one_line(checkpoint_dir, fn, *args, **kwargs):
@@ -330,7 +342,10 @@ def _die_with_parent() -> None:
     import os
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer answers it
+    # Ctrl-C and a launcher's SIGTERM (Slurm signals the whole process group) are the trainer's to answer: it may
+    # still save (--exit-signal-handler) through this process, which ends with it (PR_SET_PDEATHSIG)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux
