@@ -197,7 +197,8 @@ def _flip(path, at):
         fh.write(bytes([b[0] ^ 0x10]))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate_no_manifest", "symlink", "storage_path_out"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate_no_manifest", "no_manifest", "symlink",
+                                    "storage_path_out"])
 def test_damaged_checkpoint_is_one_line(saved, copy_of, damage):
     root = copy_of(saved)
     ckpt = root / "iter_0000002"
@@ -213,6 +214,10 @@ def test_damaged_checkpoint_is_one_line(saved, copy_of, damage):
             extra, needles = ["--trust-unverified-checkpoint"], (str(distcp), "truncated")
         else:
             needles = (str(distcp), "checksum mismatch")
+    elif damage == "no_manifest":  # its manifest deleted, a byte flipped: nothing to verify against
+        os.remove(ckpt / "integrity.json")
+        _flip(distcp, os.path.getsize(distcp) // 2)
+        needles = (str(ckpt), "no manifest", "--trust-unverified-checkpoint")
     elif damage == "symlink":
         os.symlink("/etc/hostname", ckpt / "notes.txt")
         status, needles = 2, ("--load", str(ckpt / "notes.txt"), "symbolic link")

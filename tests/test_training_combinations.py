@@ -59,3 +59,118 @@ def test_bf16_without_distributed_optimizer_saves_and_resumes_bitwise(tmp_path, 
         assert two[key].shape == two[key.split("optimizer.state.exp_avg.", 1)[1]].shape, key
     _ok(run(args + ["--save", str(root), "--save-interval", "100", "--load", str(root)]))
     _bitwise_equal(_final(straight, 4), _final(root, 4))
+
+
+# ---------------------------------------------------------------------------- what --load may name
+def _parse_error(capsys, argv):
+    from megatron_glm5.training.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=1, prog="pretrain_glm5_vlm.py")
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith(PROG), err
+    return err[0]
+
+
+def _digest(path):
+    return {n: (path / n).read_bytes() for n in sorted(os.listdir(path))}
+
+
+def test_load_of_an_hf_checkpoint_is_refused(tmp_path, capsys):
+    """An HF checkpoint folder (config.json + safetensors, no tracker) given to --load would train from random
+    weights (Megatron-LM starts from scratch without a tracker): one line naming --pretrained-checkpoint and the
+    converter, exit 2, the folder untouched. A folder with config.json but no weights is a fresh --load still."""
+    from megatron_glm5.config import tiny_hf_config
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(tiny_hf_config(mtp=True)))
+    (hf / "model.safetensors").write_bytes(b"\x08\0\0\0\0\0\0\0{}      ")
+    before = _digest(hf)
+    line = _parse_error(capsys, TINY + ["--mock-data", "--train-iters", "3", "--load", str(hf)])
+    assert "--load" in line and "HF checkpoint" in line and "--pretrained-checkpoint" in line \
+        and "convert_hf_to_mcore.py" in line, line
+    assert _digest(hf) == before
+
+
+# ---------------------------------------------------------------------------- an architecture of the config's sizes
+def test_heads_that_do_not_divide_the_width_train(tmp_path):
+    """A valid MLA config of 5 heads on a width of 64 (transformers and the converters take it): --kv-channels
+    comes from the config (Megatron-LM's own default asserts hidden % heads == 0), and the run trains with the
+    config's head sizes (5 heads x 16 = 80 wide attention projections) to a finite loss."""
+    from megatron_glm5.config import tiny_hf_config
+
+    cfg = tiny_hf_config(mtp=True)
+    cfg["text_config"]["num_attention_heads"] = 5
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(cfg))
+    args = [a for a in TINY if a not in ("--model-preset", "glm5-tiny")]
+    _ok(run(args + ["--hf-config", str(hf), "--mock-data", "--train-iters", "2", "--save", str(tmp_path / "ck"),
+                    "--save-interval", "100"]))
+    sd = _final(tmp_path / "ck", 2)
+    out = [v for k, v in sd.items() if k.endswith("self_attention.linear_proj.weight") and "optimizer" not in k]
+    assert out and all(tuple(v.shape) == (64, 80) for v in out), [tuple(v.shape) for v in out]
+    assert all(torch.isfinite(v).all() for k, v in sd.items() if v.is_floating_point())
+
+
+# ---------------------------------------------------------------------------- a resume of another model
+def _fake_checkpoint(root, hf_config):
+    (root / "iter_0000004").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    (root / "iter_0000004" / "metadata.json").write_text("{}")
+    (root / "iter_0000004" / "hf_config.json").write_text(json.dumps(hf_config))
+
+
+@pytest.mark.parametrize("key, value", [("num_experts_per_tok", 1), ("routed_scaling_factor", 1.0),
+                                        ("swiglu_limit", 7.0)])
+def test_resume_of_another_model_function_is_refused(tmp_path, key, value):
+    """A checkpoint whose hf_config.json differs from the run's in a field that changes what the model computes
+    but not its tensors: one line naming the field and both values; a difference in a field that does not
+    (transformers_version, initializer_range) is no refusal."""
+    from megatron_glm5.config import tiny_hf_config
+    from megatron_glm5.training.checkpoint_checks import CheckpointDirError, check_architecture
+
+    run_cfg = tiny_hf_config(mtp=True)
+    saved = tiny_hf_config(mtp=True)
+    saved["text_config"].update({key: value, "initializer_range": 0.5})
+    saved["transformers_version"] = "0.0.1"
+    _fake_checkpoint(tmp_path / "ck", saved)
+    ckpt = str(tmp_path / "ck" / "iter_0000004")
+    was = run_cfg["text_config"][key]
+    with pytest.raises(CheckpointDirError, match=f"{key} is {value!r} there, {was!r} in this run's model config"):
+        check_architecture(ckpt, run_cfg)
+    saved["text_config"][key] = was
+    (tmp_path / "ck" / "iter_0000004" / "hf_config.json").write_text(json.dumps(saved))
+    check_architecture(ckpt, run_cfg)
+    run_cfg["vision_config"]["rms_norm_eps"] = 1e-3  # the vision tower's fields count too
+    with pytest.raises(CheckpointDirError, match="vision_config.rms_norm_eps is 1e-05 there"):
+        check_architecture(ckpt, run_cfg)
+
+
+def test_resume_of_another_model_function_is_one_line(tmp_path):
+    """Through pretrain_glm5_vlm.py: the same refusal before any work, exit 2, naming --load."""
+    from megatron_glm5.config import tiny_hf_config
+
+    saved = tiny_hf_config(mtp=True)
+    saved["text_config"]["routed_scaling_factor"] = 1.0
+    _fake_checkpoint(tmp_path / "ck", saved)
+    proc = run(TINY + ["--mock-data", "--train-iters", "4", "--load", str(tmp_path / "ck")])
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(PROG + "--load") and "routed_scaling_factor is 1.0 there, 2.5" in lines[0], lines
+
+
+# ---------------------------------------------------------------------------- a warm-up that never trained
+def test_warmup_whose_every_step_was_skipped_fails_without_its_checkpoint(tmp_path):
+    """--dsa-indexer-warmup 2 whose two iterations both have a NaN loss (skipped): the stage did not train, so its
+    last checkpoint (what the sparse stage starts from) is not written: one line, exit 1, no checkpoint."""
+    root = tmp_path / "ck"
+    proc = run(TINY + ["--mock-data", "--train-iters", "4", "--dsa-indexer-loss-coeff", "1.0",
+                       "--dsa-indexer-warmup", "2", "--inject-nan-at-iteration", "1", "2", "--save", str(root),
+                       "--save-interval", "100"])
+    lines = error_lines(proc)
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert "iteration 2" in lines[0] and "warm-up" in lines[0] and "not saved" in lines[0], lines
+    assert not (root / "latest_checkpointed_iteration.txt").exists()
+    assert not [n for n in (os.listdir(root) if root.exists() else []) if n.startswith("iter_")]

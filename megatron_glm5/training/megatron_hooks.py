@@ -78,7 +78,7 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
     from megatron_glm5.training.optimizer import WeightRangeGuard, weight_limit
 
     get_grad_norm, step_with_ready_grads = optimizer.get_grad_norm, optimizer.step_with_ready_grads
-    state = {"norm": None, "in_a_row": 0}
+    state = {"norm": None, "in_a_row": 0, "updated": 0, "skipped": 0}
     guard = WeightRangeGuard(optimizer, weight_limit(getattr(optimizer, "config", None)))
 
     def recorded_grad_norm():
@@ -90,6 +90,7 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
         from megatron.training.utils import print_rank_0
 
         state["in_a_row"] += 1
+        state["skipped"] += 1
         iteration = get_args().curr_iteration + 1
         print_rank_0(f"iteration {iteration}: {reason}: update skipped ({state['in_a_row']} in a row)")
         if state["in_a_row"] >= max_consecutive:
@@ -105,9 +106,12 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
         if _any_rank(not guard.keeps_within(norm)):
             return skipped("the update makes weights NaN/inf")
         state["in_a_row"] = 0
-        return step_with_ready_grads()
+        updated = step_with_ready_grads()
+        state["updated"] += bool(updated)
+        return updated
 
     optimizer.get_grad_norm = recorded_grad_norm
+    optimizer.glm5_steps = state  # this run's updated / skipped step counts (the warm-up's save reads them)
     optimizer.step_with_ready_grads = checked_step_with_ready_grads
     return optimizer
 
@@ -168,15 +172,37 @@ def _nonfinite_weight(model) -> str:
     return next(name for name, t in named if not math.isfinite(max_magnitude([t])))
 
 
+def _untrained_warmup(iteration: int, optimizer) -> str:
+    """Why the save of ``iteration`` must not be the indexer warm-up's last checkpoint ('' when it may be): this run
+    is the warm-up (``--dsa-indexer-warmup N``), ``iteration`` is N (the checkpoint the sparse stage starts from)
+    and every step of this run was skipped (NaN/inf), so the stage did not train. The counts are the same on every
+    rank (a step is skipped on all ranks or none)."""
+    from megatron.training import get_args
+
+    run = get_args()
+    steps = getattr(optimizer, "glm5_steps", None)
+    if not (getattr(run, "dsa_indexer_warmup_stage", False) and iteration == run.dsa_indexer_warmup and steps):
+        return ""
+    if steps["updated"] or not steps["skipped"]:
+        return ""
+    return (f"iteration {iteration}: every iteration of this run's indexer warm-up ({steps['skipped']}) was skipped "
+            "(NaN/inf loss, gradient norm or updated weight): the warm-up stage did not train; its checkpoint not "
+            "saved")
+
+
 def _refuse_nonfinite_save(upstream):
     """Megatron-LM's ``save_checkpoint``, refusing (:class:`TrainingStopped`, on every rank) to save a model that
-    holds a NaN/inf weight on any rank: the previous checkpoint stays the last one."""
+    holds a NaN/inf weight on any rank, or the indexer warm-up's last checkpoint when none of its steps trained
+    (:func:`_untrained_warmup`): the previous checkpoint stays the last one."""
 
     def save_checkpoint(iteration, model, *args, **kwargs):
         bad = _nonfinite_weight(model if isinstance(model, (list, tuple)) else [model])
         if _any_rank(bool(bad)):
             where = f" ({bad})" if bad else ""
             raise TrainingStopped(f"iteration {iteration}: the weights hold NaN/inf{where}; checkpoint not saved")
+        untrained = _untrained_warmup(iteration, args[0] if args else kwargs.get("optimizer"))
+        if untrained:
+            raise TrainingStopped(untrained)
         return upstream(iteration, model, *args, **kwargs)
 
     save_checkpoint.glm5_nonfinite_guard = True
