@@ -404,9 +404,10 @@ def straight_run_state(tmp_path_factory):
     return _final_state(path / f"iter_{PREEMPT_STEPS:07d}")
 
 
-@pytest.mark.parametrize("how", ["sigterm", "duration"])
+@pytest.mark.parametrize("how", ["sigterm", "sigterm_group", "duration"])
 def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how, straight_run_state):
-    """A Slurm-style preemption: SIGTERM under --exit-signal-handler (or --exit-duration-in-mins running out) saves a
+    """A Slurm-style preemption: SIGTERM under --exit-signal-handler (to the trainer, or to its whole process group as
+    Slurm sends it, the checkpoint writer's helper process included), or --exit-duration-in-mins running out, saves a
     checkpoint and exits 0, leaving no process behind; the same command with --load continues from it to the same
     weights and optimizer state, bit for bit, as a run that was never stopped."""
     import signal
@@ -414,7 +415,7 @@ def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how, straight
 
     steps, common = PREEMPT_STEPS, PREEMPT_RUN
 
-    if how == "sigterm":
+    if how.startswith("sigterm"):
         cmd = [sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py"), "--exit-signal-handler"]
     else:  # the program "started" 61 minutes ago: --exit-duration-in-mins 60 ends it after its first iteration
         script = tmp_path / "started_an_hour_ago.py"
@@ -432,6 +433,8 @@ def test_preempted_run_saves_exits_0_and_resumes_bitwise(tmp_path, how, straight
         out.append(line)
         if how == "sigterm" and "iteration        2/" in line:
             proc.send_signal(signal.SIGTERM)
+        elif how == "sigterm_group" and "iteration        2/" in line:  # what Slurm does: every process of the job
+            os.killpg(proc.pid, signal.SIGTERM)
     err = proc.stderr.read()
     assert proc.wait(timeout=600) == 0, err[-3000:]
     stopped_at = int((tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text())

@@ -197,22 +197,27 @@ def _flip(path, at):
         fh.write(bytes([b[0] ^ 0x10]))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate_no_manifest", "symlink", "storage_path_out"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate_no_manifest", "no_manifest", "symlink",
+                                    "storage_path_out"])
 def test_damaged_checkpoint_is_one_line(saved, copy_of, damage):
     root = copy_of(saved)
     ckpt = root / "iter_0000002"
     distcp = ckpt / "__0_0.distcp"
-    status = 1
+    status, extra = 1, []
     if damage == "flip":
         _flip(distcp, os.path.getsize(distcp) // 2)
         needles = (str(distcp), "checksum mismatch")
     elif damage.startswith("truncate"):
         os.truncate(distcp, os.path.getsize(distcp) // 2)
-        if damage == "truncate_no_manifest":
+        if damage == "truncate_no_manifest":  # trusted: the reader's own checks still refuse it
             os.remove(ckpt / "integrity.json")
-            needles = (str(distcp), "truncated")
+            extra, needles = ["--trust-unverified-checkpoint"], (str(distcp), "truncated")
         else:
             needles = (str(distcp), "checksum mismatch")
+    elif damage == "no_manifest":  # its manifest deleted, a byte flipped: nothing to verify against
+        os.remove(ckpt / "integrity.json")
+        _flip(distcp, os.path.getsize(distcp) // 2)
+        needles = (str(ckpt), "no manifest", "--trust-unverified-checkpoint")
     elif damage == "symlink":
         os.symlink("/etc/hostname", ckpt / "notes.txt")
         status, needles = 2, ("--load", str(ckpt / "notes.txt"), "symbolic link")
@@ -223,7 +228,7 @@ def test_damaged_checkpoint_is_one_line(saved, copy_of, damage):
         _write_metadata(ckpt, md)
         _regenerate_manifests(ckpt)
         needles = (str(ckpt / ".metadata"), "outside")
-    _refused(TRAIN + ["--load", str(root)], root, status, *needles)
+    _refused(TRAIN + extra + ["--load", str(root)], root, status, *needles)
 
 
 def test_manifest_written_before_the_tracker_moves_and_lists_every_file(saved):

@@ -258,6 +258,10 @@ def add_glm5_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--inject-nan-at-iteration", type=int, nargs="*", default=[],
                    help="testing aid: make the loss NaN at these iterations (they must be skipped)")
     g.add_argument("--test-kill-during-save", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
+    g.add_argument("--trust-unverified-checkpoint", action="store_true",
+                   help="load a --load / --pretrained-checkpoint folder that has no manifest (megatron-core's "
+                        "integrity.json, the converter's checksums.sha256) as it is; without it such a folder is "
+                        "refused (its files cannot be verified)")
     g.add_argument("--torch-fused-adam", action="store_true",
                    help="megatron-core without Transformer Engine or Apex falls back to torch's Adam in its foreach "
                         "form: run torch's fused Adam kernel instead (one pass over weights, gradients and moments); "
@@ -378,7 +382,7 @@ def architecture_defaults(config, hf: dict) -> dict:
     text = hf.get("text_config", hf)
     defaults = dict(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
-        num_attention_heads=config.num_attention_heads,
+        num_attention_heads=config.num_attention_heads, kv_channels=config.kv_channels,
         max_position_embeddings=int(text.get("max_position_embeddings", 0) or 0) or None,
         vocab_size=int(text["vocab_size"]), init_method_std=config.init_method_std,
         norm_epsilon=config.layernorm_epsilon,
@@ -417,6 +421,12 @@ def _check_checkpoints(args: argparse.Namespace, hf: dict) -> None:
         _require(os.path.isdir(path), name, f"no checkpoint directory at {path}")
         try:
             ckpt = checkpoint_in(path)
+            hf_checkpoint = ckpt is None and os.path.isfile(os.path.join(path, "config.json")) and any(
+                n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in os.listdir(path))
+            if ckpt is None and flag == "load" and hf_checkpoint:  # Megatron-LM would start from random weights
+                raise CheckpointDirError(f"{path} holds an HF checkpoint (config.json, safetensors), not a Megatron-LM "
+                                         "one: convert it with tools/convert_hf_to_mcore.py and give the converter's "
+                                         "--out to --pretrained-checkpoint")
             if ckpt is None and flag == "pretrained_checkpoint":
                 hint = ""
                 if os.path.isfile(os.path.join(path, "config.json")):  # what a user passes most by mistake

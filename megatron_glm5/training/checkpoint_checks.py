@@ -38,6 +38,13 @@ ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", 
                      "qk_rope_head_dim", "linear_conv_kernel_dim")
 # what an HF config without the key means (transformers' defaults)
 _ARCHITECTURE_DEFAULTS = {"num_nextn_predict_layers": 0}
+# the HF config fields that may differ between a checkpoint and the run that loads it: names, storage dtype, the
+# generation cache, the special-token ids of generation, the initialiser's width (a loaded model is not initialised)
+# and the position limit (no layer of this model reads positions: KDA and the NoPE DSA). Every other field may change
+# what the model computes (num_experts_per_tok, routed_scaling_factor, swiglu_limit, ...) and must be equal.
+FREE_KEYS = frozenset({"architectures", "auto_map", "_name_or_path", "transformers_version", "torch_dtype", "dtype",
+                       "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+                       "max_position_embeddings", "output_attentions", "output_hidden_states", "return_dict"})
 
 
 def _json_object(path: str) -> dict:
@@ -52,9 +59,27 @@ def _json_object(path: str) -> dict:
     return obj
 
 
+def _function_difference(saved: dict, run: dict, where: str = ""):
+    """The first field (``where`` + its name) outside :data:`FREE_KEYS` that both HF config dicts hold with
+    different values (nested configs compared field by field), with both values; None when there is none."""
+    for key in sorted(set(saved) & set(run)):
+        if key in FREE_KEYS:
+            continue
+        a, b = saved[key], run[key]
+        if isinstance(a, dict) and isinstance(b, dict) and key.endswith("_config"):
+            found = _function_difference(a, b, f"{where}{key}.")
+            if found:
+                return found
+        elif a != b:
+            return f"{where}{key}", a, b
+    return None
+
+
 def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
-    """Refuse a checkpoint whose ``hf_config.json`` describes another architecture than ``hf_config`` (one line
-    naming the first differing field); a checkpoint without one is not checked here."""
+    """Refuse a checkpoint whose ``hf_config.json`` describes another model than ``hf_config`` (one line naming the
+    first differing field and both values): the fields that change the tensors (:data:`ARCHITECTURE_KEYS`), then
+    every other field both hold but :data:`FREE_KEYS` (the vision tower's and the top level's too); a checkpoint
+    without ``hf_config.json`` is not checked here."""
     path = os.path.join(ckpt_dir, HF_CONFIG_FNAME)
     if not os.path.isfile(path):
         return
@@ -72,6 +97,14 @@ def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
     if ("vision_config" in saved) != ("vision_config" in hf_config):
         raise CheckpointDirError(f"{ckpt_dir} is a checkpoint of another architecture: vision tower "
                                  f"{'present' if 'vision_config' in saved else 'absent'} there")
+    found = _function_difference(a, b)
+    if found is None and "text_config" in saved and "text_config" in hf_config:  # the vision tower, the top level
+        found = _function_difference({k: v for k, v in saved.items() if k != "text_config"},
+                                     {k: v for k, v in hf_config.items() if k != "text_config"})
+    if found:
+        key, was, now = found
+        raise CheckpointDirError(f"{ckpt_dir} is a checkpoint of another model: {key} is {was!r} there, {now!r} in "
+                                 "this run's model config (it changes what the model computes)")
 
 
 LAYOUT_FNAME = "parallel_layout.json"  # written beside every save of the trainer (megatron_hooks)
@@ -187,9 +220,10 @@ def check_checkpoint_folder(ckpt_dir: str) -> None:
 _VERIFIED: dict = {}
 
 
-def verify_checkpoint_files(ckpt_dir: str) -> None:
+def verify_checkpoint_files(ckpt_dir: str, trusted: bool = False) -> None:
     """Every file of ``ckpt_dir`` against its manifest (megatron-core's ``integrity.json`` or the converter's
-    ``checksums.sha256``; a checkpoint without one is taken as it is), :func:`check_checkpoint_folder`, and its
+    ``checksums.sha256``; a checkpoint without one is refused unless ``trusted``: --trust-unverified-checkpoint;
+    every checkpoint the trainer and the converter write has one), :func:`check_checkpoint_folder`, and its
     ``.metadata`` through the restricted unpickler (storage files inside the folder). Every rank re-hashes its share
     of the files (threads; rank r the r-th of every world-size files), rank 0 also checks the folder and the
     metadata, and all ranks take the first problem in rank order; once per folder and process. Raises
@@ -207,7 +241,10 @@ def verify_checkpoint_files(ckpt_dir: str) -> None:
         try:
             if rank == 0:
                 check_checkpoint_folder(ckpt_dir)
-            verify_manifest(ckpt_dir, share=(rank, world))
+            if not verify_manifest(ckpt_dir, share=(rank, world)) and not trusted:
+                raise CheckpointDirError(f"{ckpt_dir}: no manifest (integrity.json, checksums.sha256) to verify its "
+                                         "files against; load it as it is only if you trust it, with "
+                                         "--trust-unverified-checkpoint")
             if rank == 0:  # what megatron-core reads first, with its one-line refusals; items past a file's end
                 check_storage_extents(load_dcp_metadata(ckpt_dir), ckpt_dir)
         except CheckpointError as e:

@@ -11,7 +11,10 @@
   ``--max-consecutive-skipped-iterations`` in a row end the run (:class:`TrainingStopped`, exit 1). A model that
   holds a NaN/inf weight anyway (a buffer such as the expert bias) is never saved: the run stops instead.
 * **fp32 islands under bf16** get param groups of their own (``ParamKey(attr='keep_fp32')``), so that fp32 master
-  weights pair with the right parameters.
+  weights pair with the right parameters; a resume pairs them with their own saved groups
+  (:func:`~megatron_glm5.training.optimizer.identify_fp32_island_groups`), and without the distributed optimizer
+  megatron-core's bf16 optimizer maps its state to the checkpoint in the torch optimizer's parameter order, those
+  groups included (:func:`~megatron_glm5.training.optimizer.map_fp32_params_in_checkpoints`).
 * **--fused-optimizer-step** (default on CUDA): the distributed optimizer's clip, Adam step and copy into the
   model weights in one pass per main weight (:mod:`megatron_glm5.training.fused_optimizer_step`).
 * **--torch-fused-adam**: torch's fused Adam kernel for megatron-core's torch Adam fallback; SGD gets a state
@@ -26,7 +29,8 @@
   results queue in a ``multiprocessing`` manager process, started on the first save, that inherits the trainer's
   stdout / stderr and outlives it when the trainer is killed (a ``| tee`` or a launcher then waits forever). The
   queue is made here, by a manager whose process gets SIGKILL when the trainer dies (``PR_SET_PDEATHSIG``), leaves
-  Ctrl-C to the trainer and writes to /dev/null.
+  Ctrl-C and SIGTERM to the trainer (a signal to the whole process group, as Slurm sends, would otherwise end it
+  before the exit save) and writes to /dev/null.
 * **The dataset helpers are not rebuilt.** ``initialize_megatron`` runs ``make`` in megatron-core's ``datasets``
   folder to build its C++ index helpers; the released wheel ships them built (``helpers_cpp``) and no Makefile, so
   the ``make`` fails and the run exits. The build is skipped when ``helpers_cpp`` imports.
@@ -74,7 +78,7 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
     from megatron_glm5.training.optimizer import WeightRangeGuard, weight_limit
 
     get_grad_norm, step_with_ready_grads = optimizer.get_grad_norm, optimizer.step_with_ready_grads
-    state = {"norm": None, "in_a_row": 0}
+    state = {"norm": None, "in_a_row": 0, "updated": 0, "skipped": 0}
     guard = WeightRangeGuard(optimizer, weight_limit(getattr(optimizer, "config", None)))
 
     def recorded_grad_norm():
@@ -86,6 +90,7 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
         from megatron.training.utils import print_rank_0
 
         state["in_a_row"] += 1
+        state["skipped"] += 1
         iteration = get_args().curr_iteration + 1
         print_rank_0(f"iteration {iteration}: {reason}: update skipped ({state['in_a_row']} in a row)")
         if state["in_a_row"] >= max_consecutive:
@@ -101,9 +106,12 @@ def _skip_nonfinite_steps(optimizer, max_consecutive: int):
         if _any_rank(not guard.keeps_within(norm)):
             return skipped("the update makes weights NaN/inf")
         state["in_a_row"] = 0
-        return step_with_ready_grads()
+        updated = step_with_ready_grads()
+        state["updated"] += bool(updated)
+        return updated
 
     optimizer.get_grad_norm = recorded_grad_norm
+    optimizer.glm5_steps = state  # this run's updated / skipped step counts (the warm-up's save reads them)
     optimizer.step_with_ready_grads = checked_step_with_ready_grads
     return optimizer
 
@@ -113,16 +121,20 @@ def _glm5_get_megatron_optimizer(upstream):
         from megatron.core.optimizer.optimizer_config import ParamKey
         from megatron.training import get_args
 
-        from megatron_glm5.training.optimizer import optimizer_parts, sgd_init_state, use_torch_fused_adam
+        from megatron_glm5.training.optimizer import (FP32_ISLAND_KEY, identify_fp32_island_groups,
+                                                      map_fp32_params_in_checkpoints, optimizer_parts, sgd_init_state,
+                                                      use_torch_fused_adam)
 
         args = get_args()
         if config.bf16:
             config_overrides = dict(config_overrides or {})
-            config_overrides[ParamKey(attr="keep_fp32")] = {"fp32_island": True}
+            config_overrides[ParamKey(attr="keep_fp32")] = {FP32_ISLAND_KEY: True}
+            identify_fp32_island_groups()
         optimizer = upstream(config, model_chunks, config_overrides=config_overrides, **kwargs)
         for part in optimizer_parts(optimizer):
             if config.optimizer == "sgd" and getattr(part, "init_state_fn", None) is None:
                 part.init_state_fn = sgd_init_state  # megatron-core has none for SGD: its checkpoints could not load
+        map_fp32_params_in_checkpoints(optimizer)  # the fp32 islands' groups beside the bf16 ones
         from megatron.training.utils import print_rank_0
 
         if args.fused_optimizer_step:
@@ -160,15 +172,37 @@ def _nonfinite_weight(model) -> str:
     return next(name for name, t in named if not math.isfinite(max_magnitude([t])))
 
 
+def _untrained_warmup(iteration: int, optimizer) -> str:
+    """Why the save of ``iteration`` must not be the indexer warm-up's last checkpoint ('' when it may be): this run
+    is the warm-up (``--dsa-indexer-warmup N``), ``iteration`` is N (the checkpoint the sparse stage starts from)
+    and every step of this run was skipped (NaN/inf), so the stage did not train. The counts are the same on every
+    rank (a step is skipped on all ranks or none)."""
+    from megatron.training import get_args
+
+    run = get_args()
+    steps = getattr(optimizer, "glm5_steps", None)
+    if not (getattr(run, "dsa_indexer_warmup_stage", False) and iteration == run.dsa_indexer_warmup and steps):
+        return ""
+    if steps["updated"] or not steps["skipped"]:
+        return ""
+    return (f"iteration {iteration}: every iteration of this run's indexer warm-up ({steps['skipped']}) was skipped "
+            "(NaN/inf loss, gradient norm or updated weight): the warm-up stage did not train; its checkpoint not "
+            "saved")
+
+
 def _refuse_nonfinite_save(upstream):
     """Megatron-LM's ``save_checkpoint``, refusing (:class:`TrainingStopped`, on every rank) to save a model that
-    holds a NaN/inf weight on any rank: the previous checkpoint stays the last one."""
+    holds a NaN/inf weight on any rank, or the indexer warm-up's last checkpoint when none of its steps trained
+    (:func:`_untrained_warmup`): the previous checkpoint stays the last one."""
 
     def save_checkpoint(iteration, model, *args, **kwargs):
         bad = _nonfinite_weight(model if isinstance(model, (list, tuple)) else [model])
         if _any_rank(bool(bad)):
             where = f" ({bad})" if bad else ""
             raise TrainingStopped(f"iteration {iteration}: the weights hold NaN/inf{where}; checkpoint not saved")
+        untrained = _untrained_warmup(iteration, args[0] if args else kwargs.get("optimizer"))
+        if untrained:
+            raise TrainingStopped(untrained)
         return upstream(iteration, model, *args, **kwargs)
 
     save_checkpoint.glm5_nonfinite_guard = True
@@ -251,23 +285,34 @@ class _Glm5DistCheckpointing:
 
         from megatron_glm5.training.checkpoint_checks import check_resume_state, verify_checkpoint_files
 
-        verify_checkpoint_files(str(checkpoint_dir))
+        run = getattr(global_vars, "_GLOBAL_ARGS", None)  # None while Megatron-LM reads --use-checkpoint-args
+        verify_checkpoint_files(str(checkpoint_dir), _trusted(run))
         state = _load_or_one_line(checkpoint_dir, self._module.load_common_state_dict, checkpoint_dir, *args,
                                   **kwargs)
-        run = getattr(global_vars, "_GLOBAL_ARGS", None)  # None while Megatron-LM reads --use-checkpoint-args
         if run is not None:
             check_resume_state(str(checkpoint_dir), state, run)
         return state
 
     def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        from megatron.training import global_vars
+
         from megatron_glm5.training.checkpoint_checks import check_tensors_match, verify_checkpoint_files
 
-        verify_checkpoint_files(str(checkpoint_dir))
+        verify_checkpoint_files(str(checkpoint_dir), _trusted(getattr(global_vars, "_GLOBAL_ARGS", None)))
         check_tensors_match(sharded_state_dict, str(checkpoint_dir))
         if "verify_integrity" in kwargs:
             kwargs["verify_integrity"] = False  # verified above, integrity.json or the converter's checksums.sha256
         return _load_or_one_line(checkpoint_dir, self._module.load, sharded_state_dict, checkpoint_dir, *args,
                                  **kwargs)
+
+
+def _trusted(run) -> bool:
+    """Whether the run (Megatron-LM's args, or None before they are set) loads a checkpoint without a manifest."""
+    if run is None:
+        import sys
+
+        return "--trust-unverified-checkpoint" in sys.argv
+    return bool(getattr(run, "trust_unverified_checkpoint", False))
 
 
 def _load_or_one_line(checkpoint_dir, fn, *args, **kwargs):
@@ -323,7 +368,10 @@ def _die_with_parent() -> None:
     import os
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer answers it
+    # Ctrl-C and a launcher's SIGTERM (Slurm signals the whole process group) are the trainer's to answer: it may
+    # still save (--exit-signal-handler) through this process, which ends with it (PR_SET_PDEATHSIG)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux

@@ -1,5 +1,6 @@
 """megatron-core optimizer details the trainer needs beyond Megatron-LM's: torch's fused Adam for the torch Adam
-fallback, and a state layout for SGD so that its checkpoints load."""
+fallback, a state layout for SGD so that its checkpoints load, and the checkpoint map of megatron-core's bf16
+optimizer without the distributed optimizer when fp32 parameters train beside the bf16 ones."""
 
 from __future__ import annotations
 
@@ -70,6 +71,87 @@ def sgd_init_state(opt: torch.optim.SGD, config=None) -> None:
         for p in group["params"]:
             if opt.state[p].get("momentum_buffer") is None:
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
+
+
+FP32_ISLAND_KEY = "fp32_island"  # the param-group field that marks the fp32 islands' groups under bf16
+
+
+def identify_fp32_island_groups() -> bool:
+    """Add :data:`FP32_ISLAND_KEY` to the fields by which megatron-core pairs a checkpoint's param groups with the
+    run's (``param_group_identifier_keys``, read by ``_filter_and_reorder_param_groups`` on load): without it an
+    fp32 island group and the bf16 group of the same learning-rate and weight-decay settings share one identifier,
+    and both take the same saved group. Idempotent; returns whether it added it now."""
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    if FP32_ISLAND_KEY in mcore_optimizer.param_group_identifier_keys:
+        return False
+    mcore_optimizer.param_group_identifier_keys = (*mcore_optimizer.param_group_identifier_keys, FP32_ISLAND_KEY)
+    return True
+
+
+def map_fp32_params_in_checkpoints(optimizer) -> int:
+    """Give each megatron-core ``Float16OptimizerWithFloat16Params`` behind ``optimizer`` (``--bf16`` without
+    ``--use-distributed-optimizer``) the checkpoint map of :func:`_float16_sharded_state_dict`. Returns how many."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    changed = 0
+    for part in optimizer_parts(optimizer):
+        if type(part) is Float16OptimizerWithFloat16Params:
+            part.sharded_state_dict = _float16_sharded_state_dict.__get__(part)
+            part.load_state_dict = _float16_load_state_dict.__get__(part)
+            changed += 1
+    return changed
+
+
+def _float16_sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+    """megatron-core's ``Float16OptimizerWithFloat16Params.sharded_state_dict`` with the optimizer-state ids mapped
+    to the model parameters in the torch optimizer's own order.
+
+    torch numbers the state of every parameter of every param group in turn, fp32 ones (this model's fp32 islands,
+    in param groups of their own under bf16) included; upstream maps those numbers onto its bf16 parameters alone
+    (``float16_groups``), so every parameter after the first fp32 group got another parameter's sharded tensor (a
+    shape mismatch or a missing id on save). Here the n-th id is the model parameter behind the n-th optimizer
+    parameter (a bf16 parameter for its fp32 main copy, the fp32 parameter itself), and each group's fp32 main copies
+    pair with the ids at their own positions in the group. The fp32 main copies are listed for the groups that have
+    them only (megatron-core's checkpoint split drops an empty list's place, so an fp32 group's ``[]`` would shift the
+    groups after it on load; :func:`_float16_load_state_dict` puts them back). Otherwise as upstream (megatron-core
+    0.19.2)."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor, optim_state_to_sharding_state)
+
+    if is_loading:
+        self.init_state_fn(self.optimizer, self.config)
+    state_dict = self.state_dict()
+    model_params, main_ids = [], []
+    for group, float16, mains, saved in zip(self.optimizer.param_groups, self.float16_groups,
+                                             self.fp32_from_float16_groups, state_dict["optimizer"]["param_groups"]):
+        model_of = {id(main): p for main, p in zip(mains, float16)}
+        model_params += [model_of.get(id(p), p) for p in group["params"]]
+        main_ids.append([pid for p, pid in zip(group["params"], saved["params"]) if id(p) in model_of])
+    id_to_sharded_param_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, model_params)
+    state_dict["fp32_from_fp16_params"] = [
+        [make_sharded_optimizer_tensor(id_to_sharded_param_map[pid], main, prefix="optimizer.state.fp32_param")
+         for pid, main in zip(ids, mains)]
+        for ids, mains in zip(main_ids, state_dict["fp32_from_fp16_params"]) if mains]
+    step = self._extract_common_per_param_step(state_dict["optimizer"])
+    optim_state_to_sharding_state(state_dict["optimizer"], id_to_sharded_param_map, exclude_keys="step")
+    if step:
+        state_dict["optimizer"]["state"]["common_step"] = step
+    return state_dict
+
+
+def _float16_load_state_dict(self, state_dict):
+    """megatron-core's ``Float16OptimizerWithFloat16Params.load_state_dict`` of a state dict made by
+    :func:`_float16_sharded_state_dict`: the fp32 main copies of the groups that have them, put back in their
+    groups' places (an empty list for each fp32 group)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    saved = list(state_dict["fp32_from_fp16_params"])
+    if len(saved) != len(self.fp32_from_float16_groups):
+        saved.reverse()
+        state_dict = dict(state_dict, fp32_from_fp16_params=[saved.pop() if mains else []
+                                                             for mains in self.fp32_from_float16_groups])
+    return Float16OptimizerWithFloat16Params.load_state_dict(self, state_dict)
 
 
 # ---------------------------------------------------------------------------- non-finite updates
