@@ -801,7 +801,13 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(results if args.search else results[0], indent=2))
     elif not results:
-        print(f"no layout for {args.gpus} GPUs divides the model")
+        odd, mbs = args.gpus // (args.gpus & -args.gpus), args.micro_batch_size
+        hint = ""
+        if args.global_batch_size % (odd * mbs):
+            hint = (f" (every data-parallel size here is a multiple of {odd}; data-parallel size x --micro-batch-size "
+                    f"must divide --global-batch-size {args.global_batch_size}: e.g. --global-batch-size "
+                    f"{max(1, args.global_batch_size // (odd * mbs)) * odd * mbs})")
+        print(f"no layout for {args.gpus} GPUs divides the model{hint}")
     elif not results[0]["fits"]:
         print(f"no layout for {args.gpus} GPUs fits in {GPUS[args.gpu]['memory_gb']:.0f} GB; the least memory:\n")
         print(_fmt(results[0]))

@@ -653,9 +653,27 @@ def check_unsupported_features(args: argparse.Namespace) -> None:
     _require(not args.fine_grained_activation_offloading, "--fine-grained-activation-offloading",
              "not supported by this model's layers (megatron-core's offloading hooks live in TransformerLayer's own "
              "forward, which this model's layer replaces)")
+    if args.use_precision_aware_optimizer and not args.optimizer_cpu_offload:
+        _require(_have_te_fused_adam(), "--use-precision-aware-optimizer",
+                 "needs Transformer Engine's FusedAdam (megatron-core keeps 16-bit optimizer state only there), "
+                 "which is not installed; this project's fused Adam step keeps fp32 state")
+    if args.optimizer_cpu_offload:
+        import torch
+
+        _require(torch.cuda.is_available(), "--optimizer-cpu-offload",
+                 "needs CUDA (megatron-core's HybridDeviceOptimizer copies over CUDA streams)")
     _require(not args.distribute_saved_activations, "--distribute-saved-activations",
              "not supported by this model's decoder (megatron-core also refuses it with --sequence-parallel, "
              "which the MoE layers need under tensor parallelism)")
+
+
+def _have_te_fused_adam() -> bool:
+    """Whether Transformer Engine's FusedAdam (megatron-core's precision-aware optimizer) imports."""
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # config fields that a message may name, and the flags that set them
