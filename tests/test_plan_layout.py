@@ -119,3 +119,30 @@ def test_search_ranked_summary(mcore, capsys):
     assert results[0]["levers"] in rows[0] and f"{results[0]['time_s']['step']:.2f}" in rows[0]
     assert summary[-1] == "winner: python pretrain_glm5_vlm.py " + " ".join(
         f"'{f}'" if "|" in f else f for f in results[0]["flags"])
+
+
+def test_glm5_flash_fits_64_h100_at_4k_and_48_at_2k_only_with_the_levers(mcore):
+    """The layouts `--search` ranks first for glm5-flash (64 H100 at 4K, 48 H100 at 2K with a global batch of 768,
+    docs/parallelism.md) fit in 90 % of 80 GB and of a node's 2 TB host memory with their levers, and not
+    without them (the distributed optimizer with fp32 state)."""
+    import plan_layout
+
+    from megatron_glm5.config import PRESETS
+
+    hf = PRESETS["glm5-flash"]().to_hf_dict()
+    params = plan_layout.count_parameters(plan_layout.layout_config(hf, plan_layout.Plan(gpus=1,
+                                                                                           global_batch_size=1)))
+    pao = dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16", exp_avg_dtype="bf16",
+               exp_avg_sq_dtype="bf16", optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=True)
+    cases = [
+        (dict(gpus=64, tp=4, pp=8, vpp=2, ep=8, etp=1, seq_length=4096, global_batch_size=1024,
+              recompute="selective"), dict(**pao, optimizer_offload_fraction=0.5)),
+        (dict(gpus=48, tp=1, pp=8, vpp=2, ep=2, etp=1, seq_length=2048, global_batch_size=768, recompute="full"),
+         dict(**pao, optimizer_offload_fraction=1.0, use_megatron_fsdp=True)),
+    ]
+    for layout, levers in cases:
+        with_levers = plan_layout.estimate(hf, plan_layout.Plan(gpu="h100", **layout, **levers), params)
+        assert with_levers["fits"] and with_levers["memory_gb"] <= 72 and with_levers["host_memory_gb_per_node"] <= \
+            0.9 * 2048, (layout, with_levers["memory_gb"])
+        without = plan_layout.estimate(hf, plan_layout.Plan(gpu="h100", **layout), params)
+        assert not without["fits"] and without["memory_gb"] > 72
