@@ -4,13 +4,17 @@
     python scripts/plan_layout.py [--config glm5-flash|tiny|PATH/config.json] --gpus N [--tp N --pp N --vpp N
         --ep N --etp N --cp N] [--pipeline-layout STR] [--seq-length S] [--micro-batch-size B]
         [--global-batch-size G] [--recompute none|selective|full] [--gpu h100|h200] [--no-sp]
-        [--no-distributed-optimizer] [--search] [--json]
+        [--no-distributed-optimizer] [--use-megatron-fsdp [--data-parallel-sharding-strategy S]]
+        [--grad-reduce-in-bf16] [--use-precision-aware-optimizer [--main-params-dtype D] [--main-grads-dtype D]
+        [--exp-avg-dtype D] [--exp-avg-sq-dtype D]] [--optimizer-cpu-offload [--optimizer-offload-fraction F]
+        [--overlap-cpu-optimizer-d2h-h2d]] [--host-memory-gb G] [--search] [--json]
 
 For the worst pipeline stage of the layout it prints the parameters held by one rank and the memory of weights
 (bf16), gradients (fp32 main grads), optimizer (fp32 master + Adam m, v; sharded over data parallel with the
 distributed optimizer, experts over expert-data parallel) and activations (1F1B / interleaved in-flight
 micro-batches), the bytes one rank sends per step for each kind of parallelism, and a step-time estimate.
-``--search`` enumerates layouts for ``--gpus`` and lists the fastest ones that fit in memory.
+``--search`` enumerates layouts for ``--gpus`` with each recompute granularity and each of ``LEVER_SETS`` and lists
+the fastest ones that fit in memory, then a ranked summary and the winner's ``pretrain_glm5_vlm.py`` flags.
 
 How the numbers are made (state them when you quote them):
 * parameters: counted exactly from the model built on the meta device, one layer of each kind, sharded by the
@@ -26,6 +30,14 @@ How the numbers are made (state them when you quote them):
   re-gather), EP all-to-all (dispatch + combine, both directions), ETP gather / scatter of the dispatched tokens,
   PP send / recv of the streams per micro-batch and virtual stage, CP all-gather of the DSA latents and indexer
   keys plus the KDA state summaries, DP reduce-scatter of fp32 grads + all-gather of bf16 params;
+* optimizer / data-parallel levers (``state_memory``, ``offload_time``; Megatron-LM's flag names): 16-bit grads
+  (``--grad-reduce-in-bf16``, precision-aware ``--main-grads-dtype bf16``), the precision-aware optimizer's master /
+  moment dtypes, Megatron-FSDP's sharded params / grads (dense over DP, experts over expert-DP) with two layers'
+  bf16 params and one layer's grads unsharded in flight and its per-micro-batch all-gather / reduce-scatter (hidden
+  behind compute up to the compute time, 10 % exposed at least), optimizer CPU offload as megatron-core's
+  HybridDeviceOptimizer keeps it (16 B a host parameter, checked against ``--host-memory-gb`` a node) with its PCIe
+  copies and host Adam step (``--pcie-gbs``, ``--cpu-optimizer-gbs``: assumed rates, not measured) after the
+  backward; the GPU part of the optimizer step is not timed;
 * time: FLOPs (6 x active parameters per token, +2 x with full recompute, plus the attention / indexer terms) at
   ``--mfu`` of the GPU's dense bf16 peak (lowered by ``(tokens / 4096) ** 0.25`` when a rank's micro-batch holds
   fewer than 4096 tokens after CP: skinny GEMMs), the pipeline bubble ``(pp - 1) / (vpp * micro-batches)``, and the TP,

@@ -146,3 +146,18 @@ def test_glm5_flash_fits_64_h100_at_4k_and_48_at_2k_only_with_the_levers(mcore):
             0.9 * 2048, (layout, with_levers["memory_gb"])
         without = plan_layout.estimate(hf, plan_layout.Plan(gpu="h100", **layout), params)
         assert not without["fits"] and without["memory_gb"] > 72
+
+
+def test_help_shows_defaults_and_the_card(capsys):
+    import pytest
+
+    import plan_layout
+
+    with pytest.raises(SystemExit) as exc:
+        plan_layout.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exc.value.code == 0
+    for text in ("h100 (80 GB", "h200 (141 GB", "(default: h200)", "(default: 2048.0)", "(default: 25.0)",
+                 "--optimizer-offload-fraction OPTIMIZER_OFFLOAD_FRACTION fraction offloaded (default: 1.0)",
+                 "(default: optim_grads_params)"):
+        assert text in out, text
