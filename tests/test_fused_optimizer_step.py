@@ -219,17 +219,18 @@ def test_a_checkpoint_of_one_form_loads_into_the_other_without_switching_it():
 @pytest.mark.parametrize("extra, flag", [
     (["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"], "--use-precision-aware-optimizer"),
     (["--use-precision-aware-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp"),
 ])
 def test_optimizer_levers_without_their_backend_are_one_line(capsys, extra, flag):
-    """Without Transformer Engine (16-bit optimizer state) or CUDA (megatron-core's HybridDeviceOptimizer) the
-    levers are refused in one line naming the flag, exit 2."""
+    """Without Transformer Engine (16-bit optimizer state) or CUDA (megatron-core's HybridDeviceOptimizer and
+    Megatron-FSDP) the levers are refused in one line naming the flag, exit 2."""
     import torch
 
     from megatron_glm5.training.arguments import _have_te_fused_adam, parse_args
 
     if flag == "--use-precision-aware-optimizer" and _have_te_fused_adam():
         pytest.skip("Transformer Engine's FusedAdam is installed")
-    if flag == "--optimizer-cpu-offload" and torch.cuda.is_available():
+    if flag in ("--optimizer-cpu-offload", "--use-megatron-fsdp") and torch.cuda.is_available():
         pytest.skip("CUDA is available")
     base = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2",
             "--lr", "1e-3", "--eval-iters", "0", "--mock-data", "--use-distributed-optimizer"]

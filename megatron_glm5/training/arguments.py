@@ -662,6 +662,12 @@ def check_unsupported_features(args: argparse.Namespace) -> None:
 
         _require(torch.cuda.is_available(), "--optimizer-cpu-offload",
                  "needs CUDA (megatron-core's HybridDeviceOptimizer copies over CUDA streams)")
+    if args.use_megatron_fsdp:
+        import torch
+
+        _require(torch.cuda.is_available(), "--use-megatron-fsdp",
+                 "needs CUDA (megatron-core 0.19.2's Megatron-FSDP places its buffers on cuda:<current device> and "
+                 "overlaps its all-gathers on CUDA streams; docs/parallelism.md)")
     _require(not args.distribute_saved_activations, "--distribute-saved-activations",
              "not supported by this model's decoder (megatron-core also refuses it with --sequence-parallel, "
              "which the MoE layers need under tensor parallelism)")
