@@ -818,7 +818,7 @@ def main(argv=None) -> int:
         if args.global_batch_size % (odd * mbs):
             hint = (f" (every data-parallel size here is a multiple of {odd}; data-parallel size x --micro-batch-size "
                     f"must divide --global-batch-size {args.global_batch_size}: e.g. --global-batch-size "
-                    f"{max(1, args.global_batch_size // (odd * mbs)) * odd * mbs})")
+                    f"{max(1, args.global_batch_size // (args.gpus * mbs)) * args.gpus * mbs})")
         print(f"no layout for {args.gpus} GPUs divides the model{hint}")
     elif not results[0]["fits"]:
         print(f"no layout for {args.gpus} GPUs fits in {GPUS[args.gpu]['memory_gb']:.0f} GB; the least memory:\n")

@@ -161,3 +161,15 @@ def test_help_shows_defaults_and_the_card(capsys):
                  "--optimizer-offload-fraction OPTIMIZER_OFFLOAD_FRACTION fraction offloaded (default: 1.0)",
                  "(default: optim_grads_params)"):
         assert text in out, text
+
+
+def test_no_layout_names_the_global_batch(mcore, capsys):
+    """12 GPUs: every data-parallel size is a multiple of 3, which 1024 sequences do not split into; the answer says
+    so and proposes a global batch every data-parallel size divides."""
+    import plan_layout
+
+    assert plan_layout.main(["--config", "tiny", "--gpus", "12", "--search"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == ("no layout for 12 GPUs divides the model (every data-parallel size here is a multiple of 3; "
+                   "data-parallel size x --micro-batch-size must divide --global-batch-size 1024: e.g. "
+                   "--global-batch-size 1020)")
