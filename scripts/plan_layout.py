@@ -4,13 +4,17 @@
     python scripts/plan_layout.py [--config glm5-flash|tiny|PATH/config.json] --gpus N [--tp N --pp N --vpp N
         --ep N --etp N --cp N] [--pipeline-layout STR] [--seq-length S] [--micro-batch-size B]
         [--global-batch-size G] [--recompute none|selective|full] [--gpu h100|h200] [--no-sp]
-        [--no-distributed-optimizer] [--search] [--json]
+        [--no-distributed-optimizer] [--use-megatron-fsdp [--data-parallel-sharding-strategy S]]
+        [--grad-reduce-in-bf16] [--use-precision-aware-optimizer [--main-params-dtype D] [--main-grads-dtype D]
+        [--exp-avg-dtype D] [--exp-avg-sq-dtype D]] [--optimizer-cpu-offload [--optimizer-offload-fraction F]
+        [--overlap-cpu-optimizer-d2h-h2d]] [--host-memory-gb G] [--search] [--json]
 
 For the worst pipeline stage of the layout it prints the parameters held by one rank and the memory of weights
 (bf16), gradients (fp32 main grads), optimizer (fp32 master + Adam m, v; sharded over data parallel with the
 distributed optimizer, experts over expert-data parallel) and activations (1F1B / interleaved in-flight
 micro-batches), the bytes one rank sends per step for each kind of parallelism, and a step-time estimate.
-``--search`` enumerates layouts for ``--gpus`` and lists the fastest ones that fit in memory.
+``--search`` enumerates layouts for ``--gpus`` with each recompute granularity and each of ``LEVER_SETS`` and lists
+the fastest ones that fit in memory, then a ranked summary and the winner's ``pretrain_glm5_vlm.py`` flags.
 
 How the numbers are made (state them when you quote them):
 * parameters: counted exactly from the model built on the meta device, one layer of each kind, sharded by the
@@ -26,6 +30,14 @@ How the numbers are made (state them when you quote them):
   re-gather), EP all-to-all (dispatch + combine, both directions), ETP gather / scatter of the dispatched tokens,
   PP send / recv of the streams per micro-batch and virtual stage, CP all-gather of the DSA latents and indexer
   keys plus the KDA state summaries, DP reduce-scatter of fp32 grads + all-gather of bf16 params;
+* optimizer / data-parallel levers (``state_memory``, ``offload_time``; Megatron-LM's flag names): 16-bit grads
+  (``--grad-reduce-in-bf16``, precision-aware ``--main-grads-dtype bf16``), the precision-aware optimizer's master /
+  moment dtypes, Megatron-FSDP's sharded params / grads (dense over DP, experts over expert-DP) with two layers'
+  bf16 params and one layer's grads unsharded in flight and its per-micro-batch all-gather / reduce-scatter (hidden
+  behind compute up to the compute time, 10 % exposed at least), optimizer CPU offload as megatron-core's
+  HybridDeviceOptimizer keeps it (16 B a host parameter, checked against ``--host-memory-gb`` a node) with its PCIe
+  copies and host Adam step (``--pcie-gbs``, ``--cpu-optimizer-gbs``: assumed rates, not measured) after the
+  backward; the GPU part of the optimizer step is not timed;
 * time: FLOPs (6 x active parameters per token, +2 x with full recompute, plus the attention / indexer terms) at
   ``--mfu`` of the GPU's dense bf16 peak (lowered by ``(tokens / 4096) ** 0.25`` when a rank's micro-batch holds
   fewer than 4096 tokens after CP: skinny GEMMs), the pipeline bubble ``(pp - 1) / (vpp * micro-batches)``, and the TP,
@@ -173,6 +185,21 @@ class Plan:
     gpu: str = "h200"
     distributed_optimizer: bool = True
     mfu: float = 0.4
+    # optimizer / data-parallel levers (Megatron-LM's flags)
+    use_precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    grad_reduce_in_bf16: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    host_memory_gb: float = 2048.0
+    pcie_gbs: float = 25.0
+    cpu_optimizer_gbs: float = 100.0
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -273,13 +300,121 @@ def _stage_layers(cfg) -> Dict[tuple, range]:
 
 
 # ----------------------------------------------------------------------------------------------- the estimate
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+CPU_ADAM_BYTES = 7 * FP32  # torch Adam on the host per parameter: reads param, grad, m, v; writes param, m, v
+
+
+LEVER_FIELDS = ("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",
+                "exp_avg_sq_dtype", "grad_reduce_in_bf16", "optimizer_cpu_offload", "optimizer_offload_fraction",
+                "overlap_cpu_optimizer_d2h_h2d", "use_megatron_fsdp", "data_parallel_sharding_strategy")
+
+
+def check_levers(plan: Plan) -> None:
+    """Raise ValueError (one line naming the flag) for a lever combination megatron-core refuses or ignores."""
+    pao = plan.use_precision_aware_optimizer
+    for flag, value in (("--main-params-dtype", plan.main_params_dtype), ("--main-grads-dtype", plan.main_grads_dtype),
+                        ("--exp-avg-dtype", plan.exp_avg_dtype), ("--exp-avg-sq-dtype", plan.exp_avg_sq_dtype)):
+        if value != "fp32" and not pao:
+            raise ValueError(f"{flag} {value} needs --use-precision-aware-optimizer")
+    if plan.optimizer_cpu_offload and not pao:
+        raise ValueError("--optimizer-cpu-offload needs --use-precision-aware-optimizer (megatron-core's "
+                         "HybridDeviceOptimizer reuses its code path)")
+    if not 0.0 <= plan.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"--optimizer-offload-fraction {plan.optimizer_offload_fraction} is not in [0, 1]")
+    if (pao or plan.optimizer_cpu_offload) and not (plan.distributed_optimizer or plan.use_megatron_fsdp):
+        raise ValueError("--use-precision-aware-optimizer needs the distributed optimizer or --use-megatron-fsdp")
+
+
+def lever_bytes(plan: Plan) -> Dict[str, int]:
+    """Bytes per parameter of each training state under the plan's levers: bf16 weights; the gradient buffer
+    (fp32 main grads, bf16 with --grad-reduce-in-bf16 or the precision-aware --main-grads-dtype bf16); the
+    optimizer's master copy and Adam moments (fp32, or the precision-aware --main-params-dtype / --exp-avg-dtype /
+    --exp-avg-sq-dtype)."""
+    pao = plan.use_precision_aware_optimizer
+    grad = BF16 if plan.grad_reduce_in_bf16 or (pao and plan.main_grads_dtype == "bf16") else FP32
+    d = (lambda v: DTYPE_BYTES[v]) if pao else (lambda v: FP32)
+    return dict(weight=BF16, grad=grad, master=d(plan.main_params_dtype), exp_avg=d(plan.exp_avg_dtype),
+                exp_avg_sq=d(plan.exp_avg_sq_dtype))
+
+
+def state_memory(plan: Plan, p: float, p_dense: float, p_expert: float, dp: int, expert_dp: int,
+                 p_layer: float) -> Dict[str, float]:
+    """GPU / host bytes of one rank's training state for ``p`` parameters (``p_dense`` sharded over ``dp``,
+    ``p_expert`` over ``expert_dp``; ``p_layer`` the rank's share of the stage's largest layer):
+
+    * weights: bf16, whole per rank; a shard with Megatron-FSDP 'optim_grads_params';
+    * grads: the gradient buffer, whole per rank; a shard with FSDP 'optim_grads' / 'optim_grads_params';
+    * optimizer: master + moments of the shard (distributed optimizer or any FSDP strategy; whole per rank
+      without), the fraction ``--optimizer-offload-fraction`` of it on the host with ``--optimizer-cpu-offload``;
+      a bf16 gradient buffer without the precision-aware optimizer adds the fp32 copy of the shard's grads the
+      distributed optimizer makes for its step;
+    * fsdp_buffers: the unsharded layers FSDP keeps in flight: two layers' bf16 params (the running one and the
+      prefetched one) with 'optim_grads_params', one layer's grads with a sharded gradient buffer;
+    * host: the offloaded shard as megatron-core's HybridDeviceOptimizer keeps it: an fp32 copy of the params, a
+      pinned fp32 grad and torch Adam's fp32 m, v (16 bytes a parameter, whatever the 16-bit state flags say)."""
+    b = lever_bytes(plan)
+    shard = p_dense / dp + p_expert / expert_dp
+    fsdp = plan.use_megatron_fsdp
+    strategy = plan.data_parallel_sharding_strategy if fsdp else None
+    sharded_opt = plan.distributed_optimizer or fsdp
+    opt_params = shard if sharded_opt else p
+    weights = b["weight"] * (shard if strategy == "optim_grads_params" else p)
+    grads = b["grad"] * (shard if strategy in ("optim_grads", "optim_grads_params") else p)
+    f = plan.optimizer_offload_fraction if plan.optimizer_cpu_offload else 0.0
+    per = b["master"] + b["exp_avg"] + b["exp_avg_sq"]
+    optimizer = (1 - f) * per * opt_params
+    if b["grad"] == BF16 and not plan.use_precision_aware_optimizer:
+        optimizer += FP32 * opt_params
+    buffers = 0.0
+    if strategy == "optim_grads_params":
+        buffers += 2 * b["weight"] * p_layer
+    if strategy in ("optim_grads", "optim_grads_params"):
+        buffers += b["grad"] * p_layer
+    return dict(weights=weights, grads=grads, optimizer=optimizer, fsdp_buffers=buffers,
+                host=f * opt_params * 4 * FP32, offloaded_params=f * opt_params)
+
+
+def offload_time(plan: Plan, offloaded_params: float) -> float:
+    """Seconds per step the CPU-offloaded optimizer adds: grads D2H (their buffer dtype) and fp32 params H2D at
+    ``--pcie-gbs`` per GPU, and torch Adam on the host (``CPU_ADAM_BYTES`` of memory traffic a parameter, a node's
+    ``--cpu-optimizer-gbs`` shared by its 8 ranks); with ``--overlap-cpu-optimizer-d2h-h2d`` the copies overlap the
+    host step (the longer of the two), else they add. The step runs after the backward: none of it hides behind
+    compute."""
+    if not plan.optimizer_cpu_offload or offloaded_params == 0:
+        return 0.0
+    pcie = offloaded_params * (lever_bytes(plan)["grad"] + FP32) / (plan.pcie_gbs * 1e9)
+    host = GPUS_PER_NODE * offloaded_params * CPU_ADAM_BYTES / (plan.cpu_optimizer_gbs * 1e9)
+    return max(pcie, host) if plan.overlap_cpu_optimizer_d2h_h2d else pcie + host
+
+
+def levers_of(plan: Plan) -> str:
+    """A short name of the plan's memory levers ('distopt', 'fsdp:optim_grads_params', '+pao(bf16 m,v)', ...)."""
+    out = [f"fsdp:{plan.data_parallel_sharding_strategy}" if plan.use_megatron_fsdp else
+           ("distopt" if plan.distributed_optimizer else "ddp")]
+    if plan.use_precision_aware_optimizer:
+        b = lever_bytes(plan)
+        out.append(f"pao(main {plan.main_params_dtype}, m {plan.exp_avg_dtype}, v {plan.exp_avg_sq_dtype}, "
+                   f"grads {'bf16' if b['grad'] == BF16 else 'fp32'})")
+    elif plan.grad_reduce_in_bf16:
+        out.append("bf16 grads")
+    if plan.optimizer_cpu_offload:
+        out.append(f"offload {plan.optimizer_offload_fraction:g}" +
+                   (" overlapped" if plan.overlap_cpu_optimizer_d2h_h2d else ""))
+    out.append(f"recompute {plan.recompute}")
+    return " + ".join(out)
+
+
 def _bw(group_span: int) -> float:
     """GB/s of a collective whose ranks span ``group_span`` consecutive ranks."""
     return NVLINK_GBS if group_span <= GPUS_PER_NODE else IB_GBS
 
 
-def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]] = None) -> dict:
-    cfg = layout_config(base_hf, plan)
+def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]] = None, cfg=None) -> dict:
+    """The plan's per-stage memory, per-step communication and step time (``cfg``: its ``layout_config``, to
+    reuse across lever sets of one layout)."""
+    check_levers(plan)
+    if cfg is None:
+        cfg = layout_config(base_hf, plan)
     if params is None:
         params = count_parameters(cfg)
     t, ep, etp, cp, pp, dp = plan.tp, plan.ep, plan.etp_, plan.cp, plan.pp, plan.dp
@@ -308,13 +443,10 @@ def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]]
             p += params[e].per_rank(t, ep, etp)
             p_dense += params[e].tp_sharded / t + params[e].replicated
         p_expert = p - p_dense
-        weights = BF16 * p
-        grads = FP32 * p
-        opt_per_param = 3 * FP32                         # fp32 master + Adam m + v
-        if plan.distributed_optimizer:
-            optimizer = opt_per_param * (p_dense / dp + p_expert / plan.expert_dp)
-        else:
-            optimizer = opt_per_param * p
+        # the largest layer of the stage (the unsharded buffers Megatron-FSDP keeps in flight)
+        p_layer = max([params[layer_kind(cfg, i)].per_rank(t, ep, etp) for i in layers] + [0.0])
+        mem = state_memory(plan, p, p_dense, p_expert, dp, plan.expert_dp, p_layer)
+        weights, grads, optimizer = mem["weights"], mem["grads"], mem["optimizer"]
         # activations: in-flight micro-batches (1F1B: pp - r; interleaved: x (1 + (pp-1)/(pp*vpp)) on the first)
         inflight = min(M * vpp, (pp - r) * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1))
         per_layer = [activation_bytes_per_token(cfg, layer_kind(cfg, i), plan) for i in layers]
@@ -335,9 +467,11 @@ def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]]
             act_mb += BF16 * cfg.hidden_size * tok * 2 / (t if plan.sp else 1)
         activations = act_mb * inflight / vpp + act_peak_layer
         stages.append(dict(stage=r, layers=len(layers), params=p, weights=weights, grads=grads, optimizer=optimizer,
-                           activations=activations, total=weights + grads + optimizer + activations,
-                           inflight=inflight))
+                           fsdp_buffers=mem["fsdp_buffers"], activations=activations,
+                           total=weights + grads + optimizer + mem["fsdp_buffers"] + activations,
+                           host=mem["host"], offloaded_params=mem["offloaded_params"], inflight=inflight))
     worst = max(stages, key=lambda x: x["total"])
+    host_node = GPUS_PER_NODE * max(s_["host"] for s_ in stages)  # a node's 8 ranks, each at the worst stage
 
     # ---------------- communication per step per rank (bytes sent), forward + backward
     sp = plan.sp and t > 1
@@ -370,14 +504,24 @@ def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]]
     pp_bytes = 0.0
     if pp > 1:
         pp_bytes = 2 * tok * cfg.hc_mult * cfg.hidden_size * BF16 / (t if sp else 1) * vpp * M
-    dp_bytes = 0.0
+    dp_bytes = fsdp_bytes = 0.0
     p_dense_w = sum(params[layer_kind(cfg, i)].tp_sharded / t + params[layer_kind(cfg, i)].replicated
                     for i in stage_layers)
     p_exp_w = sum(params[layer_kind(cfg, i)].per_rank(t, ep, etp) for i in stage_layers) - p_dense_w
-    if dp > 1:
-        dp_bytes += (FP32 + BF16) * p_dense_w * (dp - 1) / dp
-    if plan.expert_dp > 1:
-        dp_bytes += (FP32 + BF16) * p_exp_w * (plan.expert_dp - 1) / plan.expert_dp
+    G = lever_bytes(plan)["grad"]
+    ring = p_dense_w * (dp - 1) / dp + p_exp_w * (plan.expert_dp - 1) / plan.expert_dp
+    strategy = plan.data_parallel_sharding_strategy if plan.use_megatron_fsdp else "optim"
+    # once per step: reduce-scatter of the grads + all-gather of the updated bf16 params (distributed optimizer,
+    # FSDP 'optim'); FSDP 'optim_grads' reduce-scatters every micro-batch's grads, 'optim_grads_params' also
+    # all-gathers the params before every micro-batch's forward and again before its backward
+    if strategy == "optim":
+        dp_bytes = (G + BF16) * ring
+    elif strategy == "optim_grads":
+        dp_bytes = (G + BF16) * ring
+        fsdp_bytes = G * ring * (M - 1)
+    else:
+        dp_bytes = (G + BF16) * ring
+        fsdp_bytes = G * ring * (M - 1) + BF16 * ring * (2 * M - 1)
 
     # ---------------- time
     gpu = GPUS[plan.gpu]
@@ -410,7 +554,13 @@ def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]]
     ep_s = (ep_bytes / (_bw(etp * ep) * 1e9)) + etp_bytes / (_bw(etp) * 1e9)
     dp_s = dp_bytes / (_bw(t * cp * dp) * 1e9)
     pp_s = pp_bytes / (_bw(t * cp * dp * pp) * 1e9)
-    step_s = compute_s * (1 + bubble) + tp_s + cp_s + ep_s + 0.1 * (dp_s + pp_s)
+    # Megatron-FSDP's per-micro-batch traffic overlaps compute (prefetch of the next layer) while compute lasts:
+    # exposed is 10 % of it or what exceeds the compute time, whichever is more
+    fsdp_comm_s = fsdp_bytes / (_bw(t * cp * dp) * 1e9)
+    fsdp_s = max(0.1 * fsdp_comm_s, fsdp_comm_s - compute_s)
+    offload_s = offload_time(plan, worst["offloaded_params"])
+    step_s = compute_s * (1 + bubble) + tp_s + cp_s + ep_s + 0.1 * (dp_s + pp_s) + fsdp_s + offload_s
+    recompute_s = compute_s * 2 / 8 if plan.recompute == "full" else 0.0
     return {
         "layout": dict(gpus=plan.gpus, tp=t, sp=sp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp, cp=cp, dp=dp,
                        expert_dp=plan.expert_dp, pipeline_layout=str(cfg.pipeline_model_parallel_layout)
@@ -418,16 +568,21 @@ def estimate(base_hf: dict, plan: Plan, params: Optional[Dict[str, LayerParams]]
         "batch": dict(seq_length=plan.seq_length, micro_batch_size=plan.micro_batch_size,
                       global_batch_size=plan.global_batch_size, micro_batches=M, recompute=plan.recompute),
         "stages": stages, "worst_stage": worst["stage"], "memory_gb": worst["total"] / 1e9,
-        "gpu_memory_gb": gpu["memory_gb"], "fits": worst["total"] / 1e9 <= 0.9 * gpu["memory_gb"],
+        "gpu_memory_gb": gpu["memory_gb"],
+        "host_memory_gb_per_node": host_node / 1e9, "host_memory_gb": plan.host_memory_gb,
+        "fits": worst["total"] / 1e9 <= 0.9 * gpu["memory_gb"] and host_node / 1e9 <= 0.9 * plan.host_memory_gb,
         "comm_gb_per_step": dict(tp=tp_bytes / 1e9, cp=cp_bytes / 1e9, ep=ep_bytes / 1e9, etp=etp_bytes / 1e9,
-                                 pp=pp_bytes / 1e9, dp=dp_bytes / 1e9),
+                                 pp=pp_bytes / 1e9, dp=dp_bytes / 1e9, fsdp=fsdp_bytes / 1e9),
         "time_s": dict(compute=compute_s, bubble=compute_s * bubble, tp=tp_s, cp=cp_s, ep=ep_s, dp=dp_s, pp=pp_s,
-                       step=step_s),
+                       fsdp=fsdp_s, offload=offload_s, step=step_s),
+        "lever_cost_s": dict(recompute=recompute_s, fsdp=fsdp_s, offload=offload_s),
+        "levers": levers_of(plan),
         "tokens_per_s_per_gpu": tokens_step / step_s / plan.gpus,
         "total_params_b": sum(v.total() for k, v in params.items() if not k.startswith(("kda", "dsa")))
         / 1e9 + sum(params[layer_kind(cfg, i)].total() for i in range(n_layers)) / 1e9,
         "active_params_b": active / 1e9,
         "distributed_optimizer": plan.distributed_optimizer,
+        "lever_flags": {k: getattr(plan, k) for k in LEVER_FIELDS},
     }
 
 
@@ -441,8 +596,22 @@ def pretrain_flags(r: dict) -> List[str]:
     flags += ["--expert-model-parallel-size", str(L["ep"]), "--expert-tensor-parallel-size", str(L["etp"])]
     if L["cp"] > 1:
         flags += ["--context-parallel-size", str(L["cp"])]
-    if r.get("distributed_optimizer", True):
+    if r.get("distributed_optimizer", True) or r.get("use_megatron_fsdp"):
         flags += ["--use-distributed-optimizer"]
+    lev = r.get("lever_flags", {})
+    if lev.get("use_megatron_fsdp"):
+        flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", lev["data_parallel_sharding_strategy"]]
+    if lev.get("grad_reduce_in_bf16"):
+        flags += ["--grad-reduce-in-bf16"]
+    if lev.get("use_precision_aware_optimizer"):
+        flags += ["--use-precision-aware-optimizer"]
+        for k in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if lev[k] != "fp32":
+                flags += ["--" + k.replace("_", "-"), lev[k]]
+    if lev.get("optimizer_cpu_offload"):
+        flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", f"{lev['optimizer_offload_fraction']:g}"]
+        if lev.get("overlap_cpu_optimizer_d2h_h2d"):
+            flags += ["--overlap-cpu-optimizer-d2h-h2d"]
     if B["recompute"] == "selective":
         flags += ["--recompute-granularity", "selective"]
     elif B["recompute"] == "full":
@@ -459,13 +628,17 @@ def _fmt(r: dict) -> str:
              f"batch: seq {B['seq_length']}, micro-batch {B['micro_batch_size']}, global {B['global_batch_size']} "
              f"({B['micro_batches']} micro-batches per DP rank), recompute {B['recompute']}",
              f"model: {r['total_params_b']:.1f} B parameters, {r['active_params_b']:.1f} B active per token",
-             "per-rank memory (GB)   stage  layers  params(B)  weights  grads  optimizer  activations  total"]
+             f"levers: {r['levers']}",
+             "per-rank memory (GB)   stage  layers  params(B)  weights  grads  optimizer  fsdp-buf  activations  "
+             "total  host"]
     for s in r["stages"]:
         mark = "*" if s["stage"] == r["worst_stage"] else " "
         lines.append(f"                      {mark}{s['stage']:5d}  {s['layers']:6d}  {s['params'] / 1e9:9.2f}  "
                      f"{s['weights'] / 1e9:7.1f}  {s['grads'] / 1e9:5.1f}  {s['optimizer'] / 1e9:9.1f}  "
-                     f"{s['activations'] / 1e9:11.1f}  {s['total'] / 1e9:5.1f}")
-    lines.append(f"worst stage {r['worst_stage']}: {r['memory_gb']:.1f} GB of {r['gpu_memory_gb']:.0f} GB "
+                     f"{s['fsdp_buffers'] / 1e9:8.1f}  {s['activations'] / 1e9:11.1f}  {s['total'] / 1e9:5.1f}  "
+                     f"{s['host'] / 1e9:4.0f}")
+    lines.append(f"worst stage {r['worst_stage']}: {r['memory_gb']:.1f} GB of {r['gpu_memory_gb']:.0f} GB; host "
+                 f"{r['host_memory_gb_per_node']:.0f} GB of {r['host_memory_gb']:.0f} GB a node "
                  f"({'fits' if r['fits'] else 'does NOT fit'} under 90 %)")
     c = r["comm_gb_per_step"]
     lines.append("sent per rank per step (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
@@ -477,69 +650,140 @@ def _fmt(r: dict) -> str:
     return "\n".join(lines)
 
 
+_PAO16 = dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16", exp_avg_dtype="bf16",
+              exp_avg_sq_dtype="bf16")
+_FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
+# the lever sets --search tries, simplest first (the order breaks near-ties)
+LEVER_SETS = [
+    {},
+    dict(grad_reduce_in_bf16=True),
+    _PAO16,
+    _FSDP,
+    {**_FSDP, **_PAO16},
+    {**_PAO16, "use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads"},
+    *({**_PAO16, "optimizer_cpu_offload": True, "optimizer_offload_fraction": f, "overlap_cpu_optimizer_d2h_h2d": True}
+      for f in (0.5, 1.0)),
+    *({**_FSDP, **_PAO16, "optimizer_cpu_offload": True, "optimizer_offload_fraction": f,
+       "overlap_cpu_optimizer_d2h_h2d": True} for f in (0.5, 1.0)),
+]
+
+
 def search(base_hf: dict, plan: Plan, top: int = 8) -> List[dict]:
-    """Layouts for ``plan.gpus`` (tp, pp, vpp, ep, etp, cp, recompute) that fit, fastest first; layouts within 3 %
-    of the fastest are listed largest data-parallel size first, then fewest pipeline / context / tensor / expert
-    ranks (the simpler layout when the estimate cannot tell them apart). If none fits: the one needing the least
-    memory, marked ``fits: False``."""
+    """Layouts for ``plan.gpus`` (tp, pp, vpp, ep, etp, cp, recompute) under each of ``LEVER_SETS`` that fit in the
+    GPU's and the host's memory, fastest first; layouts within 3 % of the fastest are listed largest data-parallel
+    size first, then fewest pipeline / context / tensor / expert ranks, then the simplest lever set (the simpler
+    layout when the estimate cannot tell them apart). If none fits: the one needing the least GPU memory, marked
+    ``fits: False``."""
     import contextlib
     import io
 
     params = None
     out, smallest = [], None
     divs = [2 ** i for i in range(int(math.log2(plan.gpus)) + 1) if plan.gpus % 2 ** i == 0]
-    for tp, pp, cp, ep, rec in itertools.product([d for d in divs if d <= 8], [d for d in divs if d <= 32],
-                                                 [d for d in divs if d <= 64], [d for d in divs if d <= 64],
-                                                 ("selective", "full")):
+    base = {k: v for k, v in plan.__dict__.items() if k not in LEVER_FIELDS}
+    for tp, pp, cp, ep in itertools.product([d for d in divs if d <= 8], [d for d in divs if d <= 32],
+                                            [d for d in divs if d <= 64], [d for d in divs if d <= 64]):
         if tp * pp * cp > plan.gpus or plan.gpus % (tp * pp * cp):
             continue
         for etp in sorted({1, tp}):
             for vpp in (None, 2):
                 if vpp and pp == 1:
                     continue
-                cand = Plan(**{**plan.__dict__, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "vpp": vpp,
-                               "recompute": rec, "pipeline_layout": None, "notes": []})
+                layout = {**base, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "vpp": vpp,
+                          "pipeline_layout": None, "notes": []}
                 try:
                     with contextlib.redirect_stderr(io.StringIO()):
+                        cfg = layout_config(base_hf, Plan(**layout))
                         if params is None:
                             params = count_parameters(layout_config(base_hf, Plan(gpus=1, seq_length=plan.seq_length,
                                                                                   global_batch_size=1)))
-                        r = estimate(base_hf, cand, params)
                 except (ValueError, AssertionError):
                     continue
-                if r["fits"]:
-                    out.append(r)
-                elif smallest is None or r["memory_gb"] < smallest["memory_gb"]:
-                    smallest = r
+                for rec in ("selective", "full"):
+                    for li, lev in enumerate(LEVER_SETS):
+                        cand = Plan(**{**layout, "recompute": rec, **lev})
+                        try:
+                            r = estimate(base_hf, cand, params, cfg)
+                        except (ValueError, AssertionError):
+                            continue
+                        r["lever_rank"] = li
+                        if r["fits"]:
+                            out.append(r)
+                        elif smallest is None or r["memory_gb"] < smallest["memory_gb"]:
+                            smallest = r
     if not out:
         return [smallest] if smallest is not None else []
     best = min(r["time_s"]["step"] for r in out)
     L = lambda r: r["layout"]  # noqa: E731
     near = sorted((r for r in out if r["time_s"]["step"] <= 1.03 * best),
-                  key=lambda r: (-L(r)["dp"], L(r)["pp"], L(r)["cp"], L(r)["tp"], L(r)["ep"], r["time_s"]["step"]))
+                  key=lambda r: (-L(r)["dp"], L(r)["pp"], L(r)["cp"], L(r)["tp"], L(r)["ep"], r["lever_rank"],
+                                 r["time_s"]["step"]))
     rest = sorted((r for r in out if r["time_s"]["step"] > 1.03 * best), key=lambda r: r["time_s"]["step"])
     return (near + rest)[:top]
 
 
+def _short_layout(L: dict) -> str:
+    return (f"tp{L['tp']}{'+sp' if L['sp'] else ''} pp{L['pp']}{'/vpp' + str(L['vpp']) if L['vpp'] else ''} "
+            f"cp{L['cp']} ep{L['ep']} etp{L['etp']} dp{L['dp']}")
+
+
+def ranked_summary(results: List[dict]) -> str:
+    """The search's ranking: one row a layout (rank, layout, levers, worst-stage GB, host GB a node, step time,
+    each lever's cost in step time), then the winner's ``pretrain_glm5_vlm.py`` flags."""
+    lines = ["ranked summary (lever costs: seconds of step time; selective recompute's re-run of the mixers is "
+             "not modelled):",
+             f"{'rank':>4}  {'layout':<34}  {'worst GB':>8}  {'host GB/node':>12}  {'step s':>7}  "
+             f"{'recompute':>9}  {'fsdp':>6}  {'offload':>7}  levers"]
+    for n, r in enumerate(results, 1):
+        c = r["lever_cost_s"]
+        lines.append(f"{n:>4}  {_short_layout(r['layout']):<34}  {r['memory_gb']:8.1f}  "
+                     f"{r['host_memory_gb_per_node']:12.0f}  {r['time_s']['step']:7.2f}  {c['recompute']:9.2f}  "
+                     f"{c['fsdp']:6.2f}  {c['offload']:7.2f}  {r['levers']}")
+    if results and results[0]["fits"]:
+        lines.append("winner: python pretrain_glm5_vlm.py " + " ".join(
+            f"'{f}'" if "|" in f or "*" in f else f for f in results[0]["flags"]))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default="glm5-flash", help="preset (glm5-flash, tiny) or an HF config.json / dir")
     p.add_argument("--gpus", type=int, required=True)
     for name in ("tp", "pp", "ep", "cp"):
-        p.add_argument(f"--{name}", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=None)
-    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
-    p.add_argument("--pipeline-layout", default=None)
-    p.add_argument("--seq-length", type=int, default=4096)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--global-batch-size", type=int, default=1024)
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="selective")
-    p.add_argument("--gpu", choices=sorted(GPUS), default="h200")
+        p.add_argument(f"--{name}", type=int, default=1, help=f"{name} size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel (None: tp)")
+    p.add_argument("--pipeline-layout", default=None, help="megatron pipeline layout string")
+    p.add_argument("--seq-length", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--global-batch-size", type=int, default=1024, help="sequences per step")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="selective", help="recompute")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="the card: " + ", ".join(
+        f"{k} ({v['memory_gb']:.0f} GB, {v['peak_tflops']:.0f} dense bf16 TFLOP/s)" for k, v in GPUS.items()))
     p.add_argument("--mfu", type=float, default=0.4, help="assumed fraction of the bf16 peak for compute")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
-    p.add_argument("--no-distributed-optimizer", action="store_true")
-    p.add_argument("--search", action="store_true", help="list the fastest layouts that fit for --gpus")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state whole on every rank")
+    g = p.add_argument_group("optimizer and data-parallel levers (Megatron-LM's flags)")
+    g.add_argument("--use-megatron-fsdp", action="store_true", help="Megatron-FSDP over the (expert-)data-parallel "
+                   "group")
+    g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                   choices=["optim", "optim_grads", "optim_grads_params"], help="what Megatron-FSDP shards")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true", help="bf16 gradient buffer and reduction")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true", help="16-bit optimizer state")
+    g.add_argument("--main-params-dtype", default="fp32", choices=["fp32", "fp16"], help="master params")
+    g.add_argument("--main-grads-dtype", default="fp32", choices=["fp32", "bf16"], help="main grads")
+    g.add_argument("--exp-avg-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"], help="Adam m")
+    g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"], help="Adam v")
+    g.add_argument("--optimizer-cpu-offload", action="store_true", help="optimizer state on the host")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0, help="fraction offloaded")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", help="copies overlap the host step")
+    g.add_argument("--host-memory-gb", type=float, default=2048.0, help="host memory per 8-GPU node")
+    g.add_argument("--pcie-gbs", type=float, default=25.0, help="host <-> GPU GB/s per GPU and direction")
+    g.add_argument("--cpu-optimizer-gbs", type=float, default=100.0,
+                   help="memory traffic GB/s of the host Adam step per node")
+    p.add_argument("--search", action="store_true", help="list the fastest layouts (and levers) that fit for --gpus")
+    p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # megatron-core's layout parser logs every layout
@@ -558,7 +802,8 @@ def main(argv=None) -> int:
                     sp=not args.no_sp, pipeline_layout=args.pipeline_layout, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                     recompute=args.recompute, gpu=args.gpu, distributed_optimizer=not args.no_distributed_optimizer,
-                    mfu=args.mfu)
+                    mfu=args.mfu, host_memory_gb=args.host_memory_gb, pcie_gbs=args.pcie_gbs,
+                    cpu_optimizer_gbs=args.cpu_optimizer_gbs, **{k: getattr(args, k) for k in LEVER_FIELDS})
         results = search(base_hf, plan) if args.search else [estimate(base_hf, plan)]
         for r in results:
             r["flags"] = pretrain_flags(r)
@@ -568,12 +813,20 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(results if args.search else results[0], indent=2))
     elif not results:
-        print(f"no layout for {args.gpus} GPUs divides the model")
+        odd, mbs = args.gpus // (args.gpus & -args.gpus), args.micro_batch_size
+        hint = ""
+        if args.global_batch_size % (odd * mbs):
+            hint = (f" (every data-parallel size here is a multiple of {odd}; data-parallel size x --micro-batch-size "
+                    f"must divide --global-batch-size {args.global_batch_size}: e.g. --global-batch-size "
+                    f"{max(1, args.global_batch_size // (args.gpus * mbs)) * args.gpus * mbs})")
+        print(f"no layout for {args.gpus} GPUs divides the model{hint}")
     elif not results[0]["fits"]:
         print(f"no layout for {args.gpus} GPUs fits in {GPUS[args.gpu]['memory_gb']:.0f} GB; the least memory:\n")
         print(_fmt(results[0]))
     else:
         print("\n\n".join(_fmt(r) for r in results))
+        if args.search:
+            print("\n" + ranked_summary(results))
     return 0
 
 

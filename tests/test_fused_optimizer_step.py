@@ -214,3 +214,28 @@ def test_a_checkpoint_of_one_form_loads_into_the_other_without_switching_it():
             oo.step()
         assert float(opt.state[w]["step"]) == 2.0 and opt.state[w]["step"].device == w.device
         assert torch.allclose(w, w_on, rtol=1e-6, atol=1e-7), (saver, loader, (w - w_on).abs().max())
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"], "--use-precision-aware-optimizer"),
+    (["--use-precision-aware-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp"),
+])
+def test_optimizer_levers_without_their_backend_are_one_line(capsys, extra, flag):
+    """Without Transformer Engine (16-bit optimizer state) or CUDA (megatron-core's HybridDeviceOptimizer and
+    Megatron-FSDP) the levers are refused in one line naming the flag, exit 2."""
+    import torch
+
+    from megatron_glm5.training.arguments import _have_te_fused_adam, parse_args
+
+    if flag == "--use-precision-aware-optimizer" and _have_te_fused_adam():
+        pytest.skip("Transformer Engine's FusedAdam is installed")
+    if flag in ("--optimizer-cpu-offload", "--use-megatron-fsdp") and torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    base = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2",
+            "--lr", "1e-3", "--eval-iters", "0", "--mock-data", "--use-distributed-optimizer"]
+    with pytest.raises(SystemExit) as exc:
+        parse_args(base + extra, world_size=2, prog="pretrain_glm5_vlm.py")
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exc.value.code == 2
+    assert len(err) == 1 and err[0].startswith("pretrain_glm5_vlm.py: error:") and flag in err[0], err

@@ -718,6 +718,7 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
                                                            or args.decoder_last_pipeline_num_layers is not None)),
              "--pipeline-model-parallel-layout", "give either a layout or --decoder-first/last-pipeline-num-layers")
     check_unsupported_features(args)
+    check_machine_support(args)
 
 
 def check_unsupported_features(args: argparse.Namespace) -> None:
@@ -738,10 +739,40 @@ def check_unsupported_features(args: argparse.Namespace) -> None:
              "which the MoE layers need under tensor parallelism)")
 
 
+def check_machine_support(args: argparse.Namespace) -> None:
+    """Megatron-LM features this machine's install cannot run (CUDA, Transformer Engine): refused in one line.
+    Kept apart from :func:`check_unsupported_features`, which holds what the model never carries and marks
+    ``--help`` (the flag table is the same on every machine)."""
+    if args.use_precision_aware_optimizer and not args.optimizer_cpu_offload:
+        _require(_have_te_fused_adam(), "--use-precision-aware-optimizer",
+                 "needs Transformer Engine's FusedAdam (megatron-core keeps 16-bit optimizer state only there), "
+                 "which is not installed; this project's fused Adam step keeps fp32 state")
+    if args.optimizer_cpu_offload:
+        import torch
+
+        _require(torch.cuda.is_available(), "--optimizer-cpu-offload",
+                 "needs CUDA (megatron-core's HybridDeviceOptimizer copies over CUDA streams)")
+    if args.use_megatron_fsdp:
+        import torch
+
+        _require(torch.cuda.is_available(), "--use-megatron-fsdp",
+                 "needs CUDA (megatron-core 0.19.2's Megatron-FSDP places its buffers on cuda:<current device> and "
+                 "overlaps its all-gathers on CUDA streams; docs/parallelism.md)")
+
+
 def check_precision(args: argparse.Namespace) -> None:
     """The model config carries bf16 or fp32 only (megatron-core's Float16Module refused an fp16 model with a
     traceback)."""
     _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
+
+
+def _have_te_fused_adam() -> bool:
+    """Whether Transformer Engine's FusedAdam (megatron-core's precision-aware optimizer) imports."""
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # config fields that a message may name, and the flags that set them
