@@ -1,6 +1,7 @@
 """The shared test helpers (tests/helpers.py, the log readers of tests/training_harness.py) and the tiers that
 tests/conftest.py gives the tests."""
 
+import json
 import os
 import subprocess
 import sys
@@ -79,9 +80,24 @@ def _rank_fails():
 
 
 def test_spawn_returns_in_rank_order_and_reports_a_failing_rank():
-    assert helpers.spawn(_rank_and_world, 3, 10, timeout=300) == [(10, 3), (11, 3), (12, 3)]
+    assert helpers.spawn(_rank_and_world, 2, 10, timeout=300) == [(10, 2), (11, 2)]
     with pytest.raises(RuntimeError, match="rank 1 failed:(.|\n)*ValueError: rank one refuses"):
         helpers.spawn(_rank_fails, 2, timeout=300)
+
+
+COLLECT_TIERS = """
+import json, sys
+import pytest
+
+class Tiers:
+    def pytest_collection_finish(self, session):
+        self.got = {i.nodeid: [m.name for m in i.iter_markers() if m.name in TIERS] for i in session.items}
+
+TIERS = ("unit", "numerics", "distributed", "e2e", "gpu")
+plugin = Tiers()
+assert pytest.main(["--collect-only", "-q", "-p", "no:xdist", *sys.argv[1:]], plugins=[plugin]) == 0
+print(json.dumps(plugin.got))
+"""
 
 
 def test_tiers_of_known_tests():
@@ -95,15 +111,10 @@ def test_tiers_of_known_tests():
         "tests/test_pool_mass.py::test_kernels_equal_the_pytorch_target_on_the_interpreter": "e2e",  # a module fixture
         "tests/test_kda.py::test_fla_backend_matches_torch": "gpu",
     }
-    tiers = {}
-    for tier in ("unit", "numerics", "distributed", "e2e", "gpu"):
-        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", tier, "-p", "no:xdist",
-                               *sorted({k.split("::")[0] for k in want})], cwd=REPO, capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        for line in proc.stdout.splitlines():
-            if "::" in line:
-                base = line.split("[", 1)[0]
-                assert tiers.setdefault(line, tier) == tier, (line, tiers[line], tier)
-                tiers.setdefault(base, tier)
+    proc = subprocess.run([sys.executable, "-c", COLLECT_TIERS, *sorted({k.split("::")[0] for k in want})],
+                          cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(got) > 100 and all(len(tiers) == 1 for tiers in got.values()), got
+    tiers = {nodeid.split("[", 1)[0]: tiers[0] for nodeid, tiers in got.items()}
     assert {k: tiers.get(k) for k in want} == want
