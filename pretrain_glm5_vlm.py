@@ -42,6 +42,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     args = get_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = model_config_from_args(args, device)
+    config.check_fits_memory(device)  # one line naming the config key, before any weight is allocated
     config.finalize_model_grads_func = finalize_grads_and_log_expert_loads  # Megatron-LM keeps a func already set
     config.execution_plan = resolve_execution_plan(config, device, pg_collection)
     if not vp_stage:  # the start-up table of what runs, each fallback with its reason (once, on rank 0)

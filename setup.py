@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="GLM-5.3-Flash (Glm5NextForConditionalGeneration) training on megatron-core: TP/SP, PP/VPP, EP, CP, DP",
     packages=find_packages(include=["megatron_glm5", "megatron_glm5.*"]),
+    package_data={"megatron_glm5.training": ["flag_table.json"]},  # the flag table's snapshot
     python_requires=">=3.12",
     install_requires=[
         "torch==2.13.0",

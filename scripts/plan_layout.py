@@ -215,12 +215,12 @@ def layout_config(base_hf: dict, plan: Plan):
     if plan.pipeline_layout:
         kw["pipeline_model_parallel_layout"] = plan.pipeline_layout
     elif plan.pp > 1 and n_layers % (plan.pp * (plan.vpp or 1)):
-        from megatron_glm5.models.parallel_layout import balanced_pipeline_layout
+        from megatron_glm5.config.parallelism import balanced_pipeline_layout
 
         mtp = bool((base_hf.get("text_config") or base_hf).get("num_nextn_predict_layers"))
         kw["pipeline_model_parallel_layout"] = balanced_pipeline_layout(n_layers, plan.pp, plan.vpp, mtp)
     cfg = Glm5Config.from_hf(base_hf, **kw)
-    from megatron_glm5.models.parallel_layout import check_parallel_layout
+    from megatron_glm5.config.parallelism import check_parallel_layout
 
     check_parallel_layout(cfg, for_training=True)
     return cfg
@@ -267,7 +267,7 @@ def activation_bytes_per_token(cfg, kind: str, plan: Plan) -> Dict[str, float]:
 
 
 def _stage_layers(cfg) -> Dict[tuple, range]:
-    from megatron_glm5.models.parallel_layout import stage_layer_ranges
+    from megatron_glm5.config.parallelism import stage_layer_ranges
 
     return stage_layer_ranges(cfg)
 

@@ -87,16 +87,17 @@ def test_sparse_mla_fits_the_device(monkeypatch, props, want):
     """The sparse MLA kernel's shared-memory budget and vector reductions follow the device; every planned tiling
     fits that budget, so the kernel compiles off Hopper too."""
     from megatron_glm5.kernels import sparse_mla as sm
+    from megatron_glm5.kernels import triton_support as ts
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    sm.device_limits.cache_clear()
+    ts.device_limits.cache_clear()
     try:
-        budget, vec = sm.device_limits(0)
+        budget, vec = ts.device_limits(0)
     finally:
-        sm.device_limits.cache_clear()
+        ts.device_limits.cache_clear()
     assert (budget, vec) == want
     R = 512
-    fwd = sm._fit_fwd_shared_memory(sm.FWD_CONFIG, R, budget)
+    fwd = ts.fit_gather_tiling(sm.FWD_CONFIG, R, budget)
     assert (fwd["BLOCK_H"] + fwd["num_stages"] * fwd["BLOCK_N"]) * R * 2 <= budget
     for dq, dkv, t in sm._bwd_passes(sm.BWD_CONFIG, [(True, False), (False, True), (True, True)], R, budget):
         assert ((4 if dq and dkv else 2) * t["BLOCK_H"] + t["BLOCK_N"]) * R * 2 <= budget, t

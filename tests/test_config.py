@@ -95,6 +95,7 @@ def _bad(mutate):
     ("vision_config.out_hidden_size", lambda h: h["vision_config"].update(out_hidden_size=32)),
     ("vision_config.num_heads", lambda h: h["vision_config"].update(num_heads=3)),
     ("hidden_act", lambda h: h["text_config"].update(hidden_act="gelu")),
+    ("hc_sinkhorn_iters", lambda h: h["text_config"].update(hc_sinkhorn_iters=10 ** 9)),
 ])
 def test_bad_fields_raise_one_clear_error(field, mutate):
     msg = _bad(mutate)
@@ -178,3 +179,47 @@ def test_export_quantises_with_the_configs_fp8_block():
     assert fp8_block(cfg) == (64, 32)
     assert hf_output_config(cfg, True, fp8_block(cfg))["quantization_config"]["weight_block_size"] == [64, 32]
     assert "quantization_config" not in hf_output_config(cfg, False, fp8_block(cfg))
+
+
+def test_weight_bytes_lower_bounds_equal_the_built_models_at_tp_pp_1(mcore):
+    """At TP = PP = EP = 1 each bound is exactly the bytes of the weights it counts in the built model."""
+    from megatron_glm5.models.builder import build_model
+
+    cfg = Glm5Config.from_hf(tiny_hf_config(num_layers=4), use_cpu_initialization=True)
+    bounds = cfg.rank_weight_bytes_lower_bounds()
+    got = {"vocab_size": 0, "n_routed_experts x moe_intermediate_size": 0, "intermediate_size": 0}
+    for name, p in build_model(cfg).named_parameters():
+        key = ("vocab_size" if name in ("embedding.word_embeddings.weight", "output_layer.weight") else
+               "n_routed_experts x moe_intermediate_size" if ".mlp.experts." in name and name.startswith("decoder.")
+               else "intermediate_size" if name.startswith("decoder.") and ".mlp.linear_fc" in name else None)
+        if key:
+            got[key] += p.numel() * p.element_size()
+    assert bounds == got and all(got.values()), (bounds, got)
+
+
+@pytest.mark.parametrize("update, key", [
+    ({"vocab_size": 10 ** 12}, "vocab_size"),
+    ({"n_routed_experts": 10 ** 7}, "n_routed_experts x moe_intermediate_size"),
+    ({"intermediate_size": 10 ** 11}, "intermediate_size")])
+def test_sizes_no_machine_holds_are_refused_before_allocating(update, key):
+    hf = tiny_hf_config(num_layers=4)
+    hf["text_config"].update(update)
+    cfg = Glm5Config.from_hf(hf)
+    with pytest.raises(Glm5ConfigError) as e:
+        cfg.check_fits_memory("cpu")
+    msg = str(e.value)
+    assert msg.startswith(f"{key}: the model's weights need at least ") and "this machine's memory" in msg, msg
+    need = sum(cfg.rank_weight_bytes_lower_bounds().values())
+    cfg.check_fits_memory("cpu", available=need)  # exactly enough passes
+    with pytest.raises(Glm5ConfigError, match=f"^{key}: "):
+        cfg.check_fits_memory("cpu", available=need - 1)
+
+
+def test_weight_bytes_lower_bounds_divide_over_the_layout():
+    hf = tiny_hf_config(num_layers=4)
+    one = Glm5Config.from_hf(hf).rank_weight_bytes_lower_bounds()
+    split = Glm5Config.from_hf(hf, tensor_model_parallel_size=2, expert_model_parallel_size=4,
+                               sequence_parallel=True).rank_weight_bytes_lower_bounds()
+    assert split["vocab_size"] == one["vocab_size"] // 2 and split["intermediate_size"] == one["intermediate_size"] // 2
+    experts = "n_routed_experts x moe_intermediate_size"
+    assert split[experts] == one[experts] // (4 * 2)  # EP x ETP (ETP defaults to TP)

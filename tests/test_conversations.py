@@ -232,6 +232,34 @@ def test_memorise_conversations_through_pretrain(chat, tmp_path, with_videos):
     assert "packed chat train:" in proc.stdout and "tokens text" in proc.stdout
 
 
+def test_data_counters_are_training_totals_one_point_per_iteration(chat, tmp_path):
+    """TensorBoard data/* tags: one point per iteration (step = iteration) and the running totals of the training
+    micro batches only: a run that validates (--eval-interval 1) writes the same series as one that does not."""
+    from training_harness import TINY, run, scalars
+
+    root, path, cfg, processor = chat
+    args = list(TINY)
+    args[args.index("--seq-length") + 1] = "128"
+    args[args.index("--micro-batch-size") + 1] = "1"
+    args[args.index("--global-batch-size") + 1] = "2"  # two micro batches per iteration
+    base = args + ["--dataset-type", "chat", "--data-path", str(path), "--tokenizer-model", str(root / "hf"),
+                   "--split", "2,1,0", "--train-iters", "3"]
+    series = {}
+    for name, extra in (("plain", []), ("validated", ["--eval-iters", "2", "--eval-interval", "1"])):
+        tb = tmp_path / name
+        proc = run(base + extra + ["--tensorboard-dir", str(tb)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        s = scalars(tb)
+        series[name] = {tag: s[tag] for tag in ("data/text-tokens", "data/image-tokens", "data/video-tokens")}
+        if extra:
+            assert "lm loss validation" in s
+    for tag, points in series["plain"].items():
+        assert [step for step, _ in points] == [1, 2, 3], (tag, points)
+        assert all(b >= a for (_, a), (_, b) in zip(points, points[1:])), (tag, points)
+    assert series["plain"]["data/text-tokens"][0][1] > 0
+    assert series["validated"] == series["plain"]
+
+
 @pytest.mark.parametrize("extra, phrase", [
     (["--dataset-type", "vqa", "--loss-on-all-turns"], "--loss-on-all-turns: only --dataset-type chat reads it"),
     (["--dataset-type", "chat", "--loss-on-all-turns", "--loss-on-last-turn-only"], "not allowed with argument"),
@@ -252,3 +280,113 @@ def test_chat_flags_refused_in_one_line(chat, capsys, extra, phrase):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("pretrain_glm5_vlm.py: error: "), err
     assert phrase in err[0], err[0]
+
+
+def _write_lines(tmp_path, objs, name="c.jsonl"):
+    p = tmp_path / name
+    p.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(p)
+
+
+def test_empty_answers_train_their_closing_token(chat, tmp_path):
+    """docs/data.md: a turn's closing token is trained; an empty (or all-whitespace) answer trains it alone."""
+    root, path, cfg, processor = chat
+    proc = processor()
+    tok = proc.tokenizer
+    p = _write_lines(tmp_path, [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "  "},
+                      {"role": "user", "content": "b"}, {"role": "assistant", "content": "ok."}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "a"}]},
+                      {"role": "assistant", "content": ""}, {"role": "user", "content": "b"},
+                      {"role": "assistant", "content": ""}]}])
+    from PIL import Image
+
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "x.png")
+    for loss, want in (("assistant", ["<|endoftext|>", "<|user|>ok.<|endoftext|>", "<|user|><|endoftext|>"]),
+                       ("last", ["<|endoftext|>", "ok.<|endoftext|>", "<|endoftext|>"])):
+        docs = ChatDocuments(read_conversations([p]), proc, cfg, eod=0, loss=loss)
+        assert [_targets_text(docs, d, tok) for d in range(3)] == want, loss
+        # the first target is predicted right after an empty turn's "<|assistant|>\n" header (and its whitespace)
+        for d in (0, 2):
+            j = np.flatnonzero(docs.targets[d])[0]
+            assert tok.decode(docs.tokens[d][:j + 1]).rstrip().endswith("<|assistant|>"), (loss, d)
+        if loss == "assistant":
+            j = np.flatnonzero(docs.targets[1])[0]
+            assert tok.decode(docs.tokens[1][:j + 1]).endswith("<|assistant|>\n  "), loss
+
+
+def test_a_set_with_no_token_to_train_on_is_one_line(chat, tmp_path):
+    """Every assistant turn only an image (media tokens are never targets): refused, not trained at grad norm 0."""
+    from PIL import Image
+
+    root, path, cfg, processor = chat
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "x.png")
+    p = _write_lines(tmp_path, [{"messages": [{"role": "user", "content": "draw"},
+                                              {"role": "assistant", "content": [{"type": "image", "image": "x.png"}]}]}])
+    with pytest.raises(DataError) as e:
+        ChatDocuments(read_conversations([p]), processor(), cfg, eod=0, loss="last")
+    assert str(e.value) == ("--data-path: none of the 1 conversations has a token to train on (loss mode 'last'): "
+                            "check the assistant turns and the chat template")
+    assert ChatDocuments(read_conversations([p]), processor(), cfg, eod=0, loss="all").targets[0].sum() > 0
+
+
+def test_template_rendering_nothing_is_one_line(chat, tmp_path):
+    root, path, cfg, processor = chat
+    p = _write_lines(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": "b"}]}])
+    with pytest.raises(DataError) as e:
+        ChatDocuments(read_conversations([p]), processor("{{ '' }}"), cfg, eod=0)
+    assert str(e.value) == f"{p}:1: the chat template renders this conversation as no tokens"
+
+
+def test_template_loops_and_output_are_bounded(chat, tmp_path, monkeypatch):
+    """Nested range(100000) loops (10^10 steps) stop at the time bound; a huge rendering at the size bound; both one
+    line naming the conversation, and the next rendering runs normally."""
+    import time
+
+    from megatron_glm5.data import chat_template
+
+    root, path, cfg, processor = chat
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.5)
+    p = _write_lines(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": "b"}]}])
+    convs = read_conversations([p])
+    hang = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+            + GLM_CHAT_TEMPLATE)
+    t0 = time.monotonic()
+    with pytest.raises(DataError) as e:
+        ChatDocuments(convs, processor(hang), cfg, eod=0)
+    assert time.monotonic() - t0 < 30
+    assert str(e.value) == (f"{p}:1: the chat template ran longer than 0.5 s on this conversation "
+                            f"(a template loop too long)")
+    tagged = TAGGED.replace("[gMASK]", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                       "{% endfor %}[gMASK]")
+    with pytest.raises(DataError, match="ran longer than 0.5 s"):
+        ChatDocuments(convs, processor(tagged), cfg, eod=0)
+    monkeypatch.setattr(chat_template, "MAX_RENDER_CHARS", 10000)
+    with pytest.raises(DataError) as e:
+        ChatDocuments(convs, processor("{% for i in range(2000) %}xxxxxxxxxx{% endfor %}" + GLM_CHAT_TEMPLATE), cfg,
+                      eod=0)
+    assert str(e.value) == (f"{p}:1: the chat template renders this conversation as {20000 + 37} characters, more "
+                            f"than 10000")  # 37: the rendering of the conversation itself
+    docs = ChatDocuments(convs, processor(), cfg, eod=0)  # the watchdog left nothing pending
+    assert _targets_text(docs, 0, processor().tokenizer) == "b<|endoftext|>"
+    time.sleep(1.0)  # past any deadline of the stopped renderings: no late exception lands here
+
+
+def test_json_integer_over_the_digit_limit_is_one_line(chat, tmp_path):
+    """A JSON integer of 5,000 digits (over Python's int conversion limit) in a messages JSONL and in
+    video_preprocessor_config.json: one line naming the file."""
+    root, path, cfg, processor = chat
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "n": '
+                  + b"7" * 5000 + b"}\n")
+    with pytest.raises(DataError) as e:
+        read_conversations([str(p)])
+    assert str(e.value).startswith(f"{p}:1: bad JSON (") and "\n" not in str(e.value), str(e.value)
+    v = tmp_path / "video_preprocessor_config.json"
+    v.write_bytes(b'{"fps": ' + b"7" * 5000 + b"}")
+    with pytest.raises(DataError) as e:
+        build_video_processor(cfg.vision, str(v))
+    assert str(e.value).startswith(f"{v}: bad JSON (") and "\n" not in str(e.value), str(e.value)

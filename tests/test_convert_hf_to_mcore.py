@@ -139,7 +139,7 @@ def test_megatron_lm_reads_the_tracker_and_loads_release(ckpts):
     from megatron.training.checkpointing import (checkpoint_exists, get_checkpoint_name,
                                                  get_checkpoint_tracker_filename, read_metadata)
 
-    from megatron_glm5.checkpoint.megatron_layout import checkpoint_in, resolve_checkpoint_dir
+    from megatron_glm5.checkpoint.tracker import checkpoint_in, resolve_checkpoint_dir
 
     out = ckpts["bf16_out"]
     assert checkpoint_exists(out)
@@ -171,7 +171,7 @@ def test_same_files_and_layout_as_megatron_save(ckpts, reference, tmp_path):
 
     ref_dir = tmp_path / "mcore_save"
     ref_dir.mkdir()
-    from megatron_glm5.checkpoint.megatron_layout import CHECKPOINT_VERSION
+    from megatron_glm5.checkpoint.tracker import CHECKPOINT_VERSION
 
     dist_checkpointing.save({**reference.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION},
                             str(ref_dir))

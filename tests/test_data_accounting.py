@@ -15,7 +15,6 @@ from megatron_glm5.training import data_accounting as acct
 def args(monkeypatch):
     a = SimpleNamespace(curr_iteration=4, log_interval=1, mock_data=False)
     monkeypatch.setattr(acct, "get_args", lambda: a)
-    monkeypatch.setattr(acct, "get_tensorboard_writer", lambda: None)
     monkeypatch.setattr(acct, "DATA_COUNTS", {k: 0 for k in acct.DATA_COUNTS})
     monkeypatch.setattr(acct, "PACKING_EFFICIENCY", [None])
     return a
@@ -64,3 +63,24 @@ def test_packed_rows_count_skipped_documents_and_tokens(args, config, capsys):
         (4, 2, 8)
     assert acct.PACKING_EFFICIENCY[0] == 6 / 8
     assert "2 document(s) with an unreadable image or video skipped" in capsys.readouterr().out
+
+
+def test_validation_micro_batches_are_not_counted_and_tags_are_written_per_step(args, config):
+    """Token counts come from training micro batches only (Megatron-LM's evaluate runs under torch.no_grad);
+    write_data_counts writes each data/* tag once at the step it is given."""
+    def packed():
+        batch = _rows([[1, 250, 3, 4, 5, 6, 0, 0]])
+        batch.update(cu_seqlens=torch.tensor([0, 6]), skipped_documents=torch.tensor([1]),
+                     modality_tokens=torch.tensor([[4, 2, 0]]))
+        return batch
+
+    acct.checked_rows(packed(), config)
+    with torch.no_grad():
+        acct.checked_rows(packed(), config)
+    assert (acct.DATA_COUNTS["text_tokens"], acct.DATA_COUNTS["image_tokens"], acct.DATA_COUNTS["row_tokens"]) == \
+        (4, 2, 8)
+    assert (acct.DATA_COUNTS["documents_skipped"], acct.DATA_COUNTS["train_documents_skipped"]) == (2, 1)
+    written = []
+    acct.write_data_counts(SimpleNamespace(add_scalar=lambda *a: written.append(a)), 7)
+    assert sorted(written) == [("data/documents-skipped", 1, 7), ("data/image-tokens", 2, 7),
+                               ("data/text-tokens", 4, 7), ("data/video-tokens", 0, 7)]

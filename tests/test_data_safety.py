@@ -266,6 +266,7 @@ BAD_RECORDS = [
     (b'\xff\xfe{"question": "q"}\n', "not UTF-8"),
     (b'{"question": "\\ud800", "answer": "a"}\n', "lone surrogate"),
     (b"[" * 100000 + b"]" * 100000 + b"\n", "nested too deeply"),
+    (b'{"question": "q", "answer": "a", "n": ' + b"7" * 5000 + b'}\n', "bad JSON"),  # over int's 4,300 digits
     (b'["question", "answer"]\n', "expected a JSON object"),
     (b'{"question": "q"}\n', "missing key 'answer'"),
     (b'{"question": 3, "answer": "a"}\n', "must be a string"),
@@ -301,6 +302,23 @@ def test_bad_preprocess_jsonl_is_one_line_and_writes_nothing(data, tmp_path, cap
             assert rc == 2, err
             _one_line(err, "preprocess_data: error: ", str(path))
         assert _hashes(path) == before and not [p for p in os.listdir(tmp_path) if p.startswith(f"out{i}")]
+
+
+def test_preprocess_stores_ids_above_the_entry_count_without_wrapping(tmp_path, capsys):
+    """A tokenizer of 3 entries whose end-of-document id is 65543: the file is int32 and holds 65543, not 7."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 65543}, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "a b b"}) + "\n")
+    assert preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-model",
+                                 str(tmp_path / "tokenizer.json"), "--output-prefix", str(tmp_path / "out"),
+                                 "--append-eod", "--log-interval", "0"]) == 0
+    assert "int32" in capsys.readouterr().out
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds[0].tolist() == [0, 1, 1, 65543]
 
 
 def test_jsonl_fuzz_never_escapes(data, tmp_path):
@@ -408,7 +426,8 @@ def test_image_bombs_corrupt_and_symlinked_images_are_one_line(data, tmp_path):
 
 @pytest.mark.parametrize("content, phrase", [
     ("[1]", "expected a JSON object"), ("[" * 100000, "nested too deeply"), ('{"image_std": [0, 0, 0]}', "non-finite"),
-    ('{"image_mean": "abc"}', "unusable"), ('{"patch_size": 3}', "disagrees with the vision config")])
+    ('{"image_mean": "abc"}', "unusable"), ('{"patch_size": 3}', "disagrees with the vision config"),
+    ('{"image_std": ' + "7" * 5000 + "}", "bad JSON")])
 def test_bad_preprocessor_config_is_one_line(tmp_path, content, phrase):
     from megatron_glm5.data.vqa import build_image_processor
 

@@ -74,7 +74,8 @@ def test_cuda_bf16_plan_table(fake_gpu, monkeypatch):
 
 
 def test_cuda_plan_falls_back_with_reasons(fake_gpu):
-    """sm_80: DSA on its reference; fp32: 'fla' KDA and megatron-core's experts, so no MoE graphs (SequentialMLP
+    """sm_80: DSA on its reference; fp32: the PyTorch KDA (FLA's kernels take TF32 products) and megatron-core's
+    experts, so no MoE graphs (SequentialMLP
     reads the token counts on the host: a capture fails); recompute: eager MoE layers while it is on; an explicit
     choice is kept and named as such."""
     cfg = Glm5Config.from_hf(tiny_hf_config(), use_cpu_initialization=True, recompute_granularity="full",
@@ -83,7 +84,9 @@ def test_cuda_plan_falls_back_with_reasons(fake_gpu):
     assert rows["dsa_backend"] == ("torch", "fallback: NVIDIA H100 80GB HBM3 is sm_80; the sparse MLA kernel is tuned "
                                             "for sm_90 (Hopper): the masked dense reference, memory quadratic in "
                                             "length")
-    assert rows["kda_backend"][0] == "fla" and "fp32" in rows["kda_backend"][1]
+    assert rows["kda_backend"] == ("torch", "fallback: fp32: FLA's KDA kernels take TF32 products; the PyTorch "
+                                            "chunked KDA keeps fp32")
+    assert "kda_save_intermediates" not in rows
     assert rows["moe_experts_backend"] == ("sequential", "fallback: megatron-core's SequentialMLP: grouped GEMMs are "
                                                          "blocked by fp32 (the grouped GEMMs run in bf16)")
     assert rows["moe_cuda_graph"] == ("False", "fallback: the MoE layers run eagerly: graphs are blocked by "
@@ -181,3 +184,45 @@ def test_the_static_check_finds_a_switch_read(tmp_path):
                    "def f(config, plan):\n    return config.dsa_backend, plan.dsa_backend, getattr(config, 'kda_backend')\n")
     assert [what for _, what in _reads(str(src))] == ["use_fused_kernels", "config.dsa_backend",
                                                       "getattr(config, 'kda_backend')"]
+
+
+@pytest.mark.parametrize("flags, kda, kda_state", [
+    ([], "torch", "fallback: fp32: FLA's KDA kernels take TF32 products; the PyTorch chunked KDA keeps fp32"),
+    (["--bf16"], "fla_fused", "fast path"),
+    (["--kda-backend", "fla"], "fla", "set by flag or config (fast path: fla_fused)"),
+])
+def test_trainer_config_runs_what_its_table_says(mcore, fake_gpu, monkeypatch, flags, kda, kda_state):
+    """The trainer's config (``model_config_from_args`` on a faked sm_90 device) leaves every backend the flags do
+    not set to the plan: the table's KDA row is the plan's choice for the dtype (fp32: the PyTorch KDA, not the fast
+    path), and the modules built from that plan run exactly the table's rows (KDA / DSA backend, expert class, MoE
+    graph wrappers)."""
+    from megatron_glm5.models.builder import build_model
+    from megatron_glm5.models.grouped_experts import GroupedExperts
+    from megatron_glm5.models.kda import KimiDeltaAttention
+    from megatron_glm5.models.kpool_dsa import Glm5DSAttention
+    from megatron_glm5.training.arguments import model_config_from_args, parse_args
+
+    args = parse_args(["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size", "2",
+                       "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0", "--mock-data"] + flags, world_size=1)
+    cfg = model_config_from_args(args, "cuda")
+    assert (cfg.kda_backend, cfg.dsa_backend, cfg.moe_experts_backend, cfg.moe_cuda_graph,
+            cfg.kda_save_intermediates) == (args.kda_backend, None, None, None, None)
+    plan = resolve_execution_plan(cfg, "cuda", capability=(9, 0))
+    rows = _rows(plan)
+    assert rows["kda_backend"] == (kda, kda_state)
+    bf16 = "--bf16" in flags
+    assert rows["dsa_backend"] == ("fused", "fast path")
+    assert rows["moe_experts_backend"][0] == ("grouped" if bf16 else "sequential")
+    assert rows["moe_cuda_graph"][0] == str(bf16)
+    monkeypatch.undo()                                   # build the plan's modules on this CPU
+    cfg.use_cpu_initialization = True
+    cfg.execution_plan = plan
+    modules = list(build_model(cfg).modules())
+    kda_modules = [m for m in modules if isinstance(m, KimiDeltaAttention)]
+    dsa_modules = [m for m in modules if isinstance(m, Glm5DSAttention)]
+    layers = [m for m in modules if getattr(m, "is_moe_layer", False)]
+    assert kda_modules and {m.backend for m in kda_modules} == {rows["kda_backend"][0]}
+    assert {m.save_intermediates for m in kda_modules} == {rows.get("kda_save_intermediates", ("False",))[0] == "True"}
+    assert dsa_modules and {m.backend for m in dsa_modules} == {rows["dsa_backend"][0]}
+    assert any(isinstance(m, GroupedExperts) for m in modules) == (rows["moe_experts_backend"][0] == "grouped")
+    assert layers and {m.mlp_graphs is not None for m in layers} == {rows["moe_cuda_graph"][0] == "True"}

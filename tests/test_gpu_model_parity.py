@@ -2,9 +2,10 @@
 same weights on the reference backends, forward and every gradient; and ``scripts/bf16_parity.py`` as an asserted
 test (our bf16 logits no further from transformers' fp32 ones than transformers' own bf16 run).
 
-Each test prints the errors it measures. The bounds: fp32 leaves room
-for FLA's TF32 dots inside the KDA kernels; bf16 for rounding and for the routing and pool selections that bf16
-flips (a token moved to another expert moves that expert's gradient by a whole token)."""
+Each test prints the errors it measures. The bounds: fp32 leaves room for the Triton kernels' fp32 rounding (the
+plan runs no TF32 product in fp32: FLA's KDA kernels take them, so fp32 runs the PyTorch KDA); bf16 for rounding
+and for the routing and pool selections that bf16 flips (a token moved to another expert moves that expert's
+gradient by a whole token)."""
 
 import itertools
 import json
@@ -54,12 +55,12 @@ def test_cuda_defaults_match_the_reference_backends(mcore, dtype):
     """Released widths, 2 decoder layers (KDA, then DSA with ``index_topk`` 256 / ``index_kpool`` 4 so the indexer
     drops pools), 4 experts top-2 on both, one packed row of three documents (2048 tokens): per-token loss and the
     gradient of every parameter, the backends the execution plan picks on this GPU for the dtype (bf16: every fast
-    path -- FLA fused KDA, fused sparse MLA, grouped experts, MoE CUDA graphs; fp32: FLA's KDA, the fused sparse
-    MLA, megatron-core's experts, no graphs) against ``default_backends('cpu')`` (the PyTorch references) on the
+    path -- FLA fused KDA, fused sparse MLA, grouped experts, MoE CUDA graphs; fp32: the PyTorch KDA, the fused
+    sparse MLA, megatron-core's experts, no graphs) against ``default_backends('cpu')`` (the PyTorch references) on the
     same GPU and weights.
 
     Both models attend over the reference run's selection: the DSA layer's input carries the KDA backend's rounding
-    (FLA's fp32 kernels take TF32 products), and a pool whose score sits that close to the top-k boundary swaps
+    (bf16: FLA's kernels), and a pool whose score sits that close to the top-k boundary swaps
     with another, which moves the attention of its query by a whole pool. The number of queries whose own selection
     differs is printed; the indexer's kernels themselves are the same on both (the plan's, on CUDA)."""
     from bench_train_step import build_ours, proxy_hf_config
@@ -74,6 +75,8 @@ def test_cuda_defaults_match_the_reference_backends(mcore, dtype):
     plan = fast.config.execution_plan
     if dtype == torch.bfloat16:                                  # the lane's machine: every fast path
         assert {k: getattr(plan, k) for k in FAST_BACKENDS} == FAST_BACKENDS, plan.table()
+    else:                                                        # fp32: no TF32 products (FLA's KDA takes them)
+        assert (plan.kda_backend, plan.dsa_backend) == ("torch", "fused"), plan.table()
     fast.load_state_dict(ref.state_dict())
     lens = (300, 1100, 648)
     gen = torch.Generator().manual_seed(1)

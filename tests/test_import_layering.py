@@ -5,6 +5,8 @@ the library rooms never import the CLI layer, and the bottom rooms import nothin
 import ast
 import os
 
+import pytest
+
 import megatron_glm5
 
 PKG = "megatron_glm5"
@@ -140,8 +142,47 @@ def test_bottom_rooms_import_nothing_of_the_package():
     graph = import_graph()
     for mod in ("megatron_glm5.errors", "megatron_glm5.layer_types"):
         assert graph[mod] == set(), mod
-    # kernels (each with its reference beside it) read only document boundaries from the models
+    # kernels (each with its reference beside it, document boundaries in kernels/documents.py) import only
+    # each other and the errors
     for mod, targets in graph.items():
         if mod.startswith("megatron_glm5.kernels"):
             outside = {t for t in targets if not t.startswith("megatron_glm5.kernels")}
-            assert outside <= {"megatron_glm5.errors", "megatron_glm5.models.packing"}, (mod, outside)
+            assert outside <= {"megatron_glm5.errors"}, (mod, outside)
+
+
+def _in(mod: str, room: str) -> bool:
+    return mod == room or mod.startswith(room + ".")
+
+
+@pytest.mark.parametrize("room, above", [
+    ("megatron_glm5.config", ("megatron_glm5.models", "megatron_glm5.training", "megatron_glm5.kernels",
+                              "megatron_glm5.checkpoint", "megatron_glm5.data", "megatron_glm5.execution_plan")),
+    ("megatron_glm5.kernels", ("megatron_glm5.models", "megatron_glm5.training", "megatron_glm5.config",
+                               "megatron_glm5.execution_plan")),
+    ("megatron_glm5.models", ("megatron_glm5.training",)),
+])
+def test_no_arrow_up(room, above):
+    """The layers: config below the models (it imports nothing of models, kernels, training, ...); the kernels below
+    the models and the config; the models below the training code. Deferred imports count too."""
+    graph = import_graph()
+    assert any(_in(m, room) for m in graph), room                     # the room exists
+    bad = sorted((m, t) for m, ts in graph.items() if _in(m, room) for t in ts if any(_in(t, a) for a in above))
+    assert bad == [], bad
+
+
+def test_no_private_name_crosses_a_module():
+    """No module imports another module's private name (``from megatron_glm5.x import _y``): what modules share is
+    public in its one home (e.g. the Triton helpers of the gathering kernels in ``kernels/triton_support.py``, the
+    kernels' PyTorch references beside their kernels)."""
+    mods = _modules()
+    bad = []
+    for mod, path in mods.items():
+        if not _in(mod, PKG):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        for node in _import_nodes(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PKG):
+                bad += [(mod, f"{node.module}.{a.name}") for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == [], bad

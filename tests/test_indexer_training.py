@@ -570,7 +570,7 @@ def test_warmup_dense_attention_runs_a_fused_kernel_gpu():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from megatron_glm5.models import kpool_dsa
-    from megatron_glm5.models.packing import document_ids
+    from megatron_glm5.kernels.documents import document_ids
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     lens = [700, 1300, 37, 2058]

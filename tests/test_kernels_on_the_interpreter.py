@@ -172,11 +172,11 @@ def _mhc() -> dict:
 def _sinkhorn() -> dict:
     """Blocks of 8 tokens; the backward's 2 persistent programs walk several blocks through their scratch.
     ``sinkhorn``: ``[2, 19, n, n]`` (38 tokens: 5 blocks, the last 6) for n = 3 (padded to 4), 5 iterations and n = 4,
-    20 iterations, against ``models.mhc._sinkhorn`` and autograd. ``mhc_weights``: mixes ``[38, (2 + n) n]`` (n = 3,
+    20 iterations, against ``sinkhorn_reference`` and autograd. ``mhc_weights``: mixes ``[38, (2 + n) n]`` (n = 3,
     5 iterations) and ``[5, 3]`` (n = 1, 1 iteration) against ``HyperConnection.weights_from_mixes``: pre, post,
     comb and the gradients of mixes, base, scale (the programs' partial d_base / d_scale summed)."""
     from megatron_glm5.kernels import sinkhorn as k
-    from megatron_glm5.models.mhc import _sinkhorn
+    from megatron_glm5.kernels.sinkhorn import sinkhorn_reference
 
     _set(k, BLOCK_T=8, _NUM_SMS=1, BWD_PROGRAMS_PER_SM=2)
     gen = torch.Generator().manual_seed(2)
@@ -185,7 +185,7 @@ def _sinkhorn() -> dict:
         x = (torch.rand(2, 19, n, n, generator=gen) + 1e-3).softmax(-1)
         g = torch.randn(2, 19, n, n, generator=gen)
         got = _run(lambda c: k.sinkhorn(c, iters, 1e-6), (x,), (g,))
-        want = _run(lambda c: _sinkhorn(c, iters, 1e-6), (x,), (g,))
+        want = _run(lambda c: sinkhorn_reference(c, iters, 1e-6), (x,), (g,))
         out[f"sinkhorn_n{n}_it{iters}"] = _errors(("y", "dx"), got, want)
     names = ("pre", "post", "comb", "d_mixes", "d_base", "d_scale")
     for n, iters, T in ((3, 5, 38), (1, 1, 5)):
@@ -335,7 +335,7 @@ def _short_conv() -> dict:
     40]``, 3 taps, one document; x ``[1, 1, 5]``, 4 taps (one token). y, dx, dw against
     ``short_conv_silu_reference`` and autograd; fp32, fp16 / bf16 x against fp32 of the same values."""
     from megatron_glm5.kernels import short_conv as k
-    from megatron_glm5.models.packing import document_starts
+    from megatron_glm5.kernels.documents import document_starts
 
     _set(k.SHORT_CONV_CONFIG, fwd=dict(BT=8, BC=32, num_warps=4), bwd=dict(ROWS=8, BC=32, num_warps=2))
     gen = torch.Generator().manual_seed(6)
@@ -464,8 +464,10 @@ def _sparse_mla() -> dict:
     the persistent transposed-form dkv kernel with 3 programs walking the 37 queries), each with and without
     ``prefetch`` (the next step's rows gathered before this step's products)."""
     from megatron_glm5.kernels import sparse_mla as k
+    from megatron_glm5.kernels import triton_support
 
-    _set(k, _limits=lambda t: (k._SMEM_BUDGET, False))   # no CUDA device: the sm_90 budget, scalar atomics
+    _set(triton_support, tensor_limits=lambda t: (triton_support.SMEM_BUDGET, False))   # no CUDA device: the sm_90
+    #                                                                                      budget, scalar atomics
     gen = torch.Generator().manual_seed(5)
     s, H, R, W = 37, 5, 32, 11
     q = torch.randn(1, s, H, R, generator=gen)
@@ -558,7 +560,7 @@ def test_mhc(interpreted):
 def test_sinkhorn(interpreted):
     """``sinkhorn`` on ``[2, 19, n, n]`` fp32 (n = 3 padded to 4 with 5 iterations, n = 4 with 20; blocks of 8
     tokens, the last 6; 2 backward programs walking 3 and 2 blocks through their scratch) against
-    ``models.mhc._sinkhorn`` and autograd, y and dx; ``mhc_weights`` on mixes ``[38, 15]`` (n = 3, 5 iterations) and
+    ``sinkhorn_reference`` and autograd, y and dx; ``mhc_weights`` on mixes ``[38, 15]`` (n = 3, 5 iterations) and
     ``[5, 3]`` (n = 1, 1 iteration) against ``weights_from_mixes``: pre, post, comb, d_mixes, d_base, d_scale (summed
     over the backward programs' partials). All to 1e-6."""
     r = interpreted["sinkhorn"]

@@ -61,3 +61,29 @@ def test_report_line(monkeypatch, capsys, mcore):
     assert total == same == pytest.approx(want) and activations is None
     assert "Number of parameters on this rank in billions: 0.0000 (expert-parallel 0.0000, frozen 0.0000)" in out
     assert f"weight and optimizer={want:.2f} MB" in out and "activations not estimated" in out
+
+
+def test_same_report_printed_once_and_cpu_memory_line(monkeypatch, capsys, mcore):
+    """Megatron-LM asks after the first two iterations: the same figures print once (figures that change print
+    again); on CPU the memory line is the process's peak resident memory, not CUDA's zeros."""
+    import resource
+
+    from megatron_glm5.training import flops, memory_report
+
+    monkeypatch.setattr(flops, "_MODEL_CHUNKS", _modules())
+    monkeypatch.setattr(memory_report, "_REPORTED", {"last": None})
+    args = argparse.Namespace(optimizer="adam", use_distributed_optimizer=False, sgd_momentum=0.9)
+    first = memory_report.report_theoretical_memory(args, num_microbatches=2, verbose=True)
+    assert capsys.readouterr().out.count("Theoretical memory footprints") == 1
+    assert memory_report.report_theoretical_memory(args, num_microbatches=2, verbose=True) == first
+    assert capsys.readouterr().out == ""
+    args.optimizer = "soap"  # (the tiny figures round to the same MB: the state text differs)
+    memory_report.report_theoretical_memory(args, num_microbatches=2, verbose=True)
+    assert "Theoretical memory footprints" in capsys.readouterr().out
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    memory_report.report_memory_cpu("(after 1 iterations)")
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    line = capsys.readouterr().out.strip()
+    peak = float(line.rsplit(": ", 1)[1])
+    assert line.startswith("[Rank 0] (after 1 iterations) memory (MB) | process peak resident: ")
+    assert 0 < before - 0.005 <= peak <= after + 0.005  # printed to 2 decimals

@@ -64,7 +64,7 @@ def _initial_checkpoint(workdir, variant: str, name: str = "init", edit=None):
         return root, root / "ckpt"
     from megatron.core import dist_checkpointing
 
-    from megatron_glm5.checkpoint.megatron_layout import CHECKPOINT_VERSION
+    from megatron_glm5.checkpoint.tracker import CHECKPOINT_VERSION
 
     from megatron_glm5.config import Glm5Config
     from megatron_glm5.models.builder import build_model

@@ -16,13 +16,13 @@ def _cfg(num_layers=5, mtp=False, indexer_types=None, **kw):
 
 
 def _ranges(cfg):
-    from megatron_glm5.models.parallel_layout import stage_layer_ranges
+    from megatron_glm5.config.parallelism import stage_layer_ranges
 
     return {k: (r.start, r.stop) for k, r in stage_layer_ranges(cfg).items()}
 
 
 def test_balanced_layout():
-    from megatron_glm5.models.parallel_layout import balanced_pipeline_layout
+    from megatron_glm5.config.parallelism import balanced_pipeline_layout
 
     assert balanced_pipeline_layout(5, 2) == "Et*3|t*2L"
     assert balanced_pipeline_layout(45, 2, mtp=True) == "Et*23|t*22mL"
@@ -53,7 +53,7 @@ def test_layers_per_virtual_stage():
 
 
 def test_even_vpp_and_mtp_stage():
-    from megatron_glm5.models.parallel_layout import mtp_on_stage
+    from megatron_glm5.config.parallelism import mtp_on_stage
 
     cfg = _cfg(4, mtp=True, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     assert _ranges(cfg) == {(0, 0): (0, 1), (1, 0): (1, 2), (0, 1): (2, 3), (1, 1): (3, 4)}
@@ -97,7 +97,7 @@ def test_shared_indexer_kept_with_its_full_layer():
 
 def test_training_needs_sequence_parallel_for_moe_with_tp():
     from megatron_glm5.config import Glm5ConfigError
-    from megatron_glm5.models.parallel_layout import check_parallel_layout
+    from megatron_glm5.config.parallelism import check_parallel_layout
 
     cfg = _cfg(tensor_model_parallel_size=2)
     check_parallel_layout(cfg)  # building (e.g. for a checkpoint) is fine
@@ -107,7 +107,7 @@ def test_training_needs_sequence_parallel_for_moe_with_tp():
 
 # ----------------------------------------------------------------------------------------------- converter
 def test_converter_validates_the_layout_flags():
-    from megatron_glm5.checkpoint.layout import LayoutError as ConversionInputError, validate_layout
+    from megatron_glm5.checkpoint.conversion_target import LayoutError as ConversionInputError, validate_layout
     from megatron_glm5.config import glm5_flash_hf_config, tiny_hf_config
 
     released = glm5_flash_hf_config()  # 45 decoder layers + 1 MTP layer

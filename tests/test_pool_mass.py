@@ -33,7 +33,7 @@ def _selection(lens, kpool: int, index_topk: int, gen: torch.Generator, holes: f
     the query's document in pool-major slots (a ``holes`` fraction of the pool slots left ``-1``, anywhere), then
     the tail (``kpool_tail_indices``); query 20 selects nothing at all (an empty row)."""
     from megatron_glm5.models.kpool_indexer import kpool_tail_indices
-    from megatron_glm5.models.packing import document_starts
+    from megatron_glm5.kernels.documents import document_starts
 
     s, n_sel = sum(lens), index_topk // kpool
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
@@ -56,7 +56,7 @@ def _features(lens, kpool, index_topk, seed, Hi=4, D=16, holes=0.25):
     from types import SimpleNamespace
 
     from megatron_glm5.models.kpool_indexer import KPoolFeatures, kpool_pool_layout
-    from megatron_glm5.models.packing import document_ids
+    from megatron_glm5.kernels.documents import document_ids
 
     gen = torch.Generator().manual_seed(seed)
     s = sum(lens)
@@ -129,7 +129,7 @@ def _interpreter_checks() -> dict:
     # kernel level, fp32: sparse (every query in one launch) and dense (a chunk in the middle of the row)
     n_sel = index_topk // kpool
     got = pool_mass.sparse_pool_mass(q_lat, c, idx, lse, scale, kpool, index_topk)
-    ref = il._sparse_pool_mass(q_lat, c, idx, scale, kpool, n_sel, lse, None)
+    ref = pool_mass.sparse_pool_mass_reference(q_lat, c, idx, scale, kpool, n_sel, lse)
     out["sparse_mass"] = rel(got, ref)
     out["sparse_mass_nonzero"] = int((ref > 0).sum())
     for tag, (a, e) in (("row", (0, s)), ("chunk", (9, 41))):
@@ -146,7 +146,7 @@ def _interpreter_checks() -> dict:
     idx2 = torch.cat([idx, torch.cat([pools_reversed, idx[..., index_topk:]], -1)])   # row 2: pools in another order
     _, lse2 = sparse_mla_reference(q2, c2, idx2, scale, return_lse=True)
     out["batch2_sparse_mass"] = rel(pool_mass.sparse_pool_mass(q2, c2, idx2, lse2, scale, kpool, index_topk),
-                                     il._sparse_pool_mass(q2, c2, idx2, scale, kpool, n_sel, lse2, None))
+                                    pool_mass.sparse_pool_mass_reference(q2, c2, idx2, scale, kpool, n_sel, lse2))
     lo, hi = feats.candidate_range(9, 41)
     out["batch2_dense_mass"] = rel(il.dense_pool_mass(feats, q2, c2, scale, 9, 41, lo, hi, fused=True)[0],
                                     il.dense_pool_mass(feats, q2, c2, scale, 9, 41, lo, hi, fused=False)[0])
@@ -177,7 +177,7 @@ def _interpreter_checks() -> dict:
     qh, ch = q_lat.half(), c.half()
     _, lse_h = sparse_mla_reference(qh.float(), ch.float(), idx, scale, return_lse=True)
     out["fp16_sparse_mass"] = rel(pool_mass.sparse_pool_mass(qh, ch, idx, lse_h, scale, kpool, index_topk),
-                                   il._sparse_pool_mass(qh, ch, idx, scale, kpool, n_sel, lse_h, None))
+                                  pool_mass.sparse_pool_mass_reference(qh, ch, idx, scale, kpool, n_sel, lse_h))
     lo, hi = feats.candidate_range(0, s)
     out["fp16_dense_mass"] = rel(il.dense_pool_mass(feats, qh, ch, scale, 0, s, lo, hi, fused=True)[0],
                                   il.dense_pool_mass(feats, qh, ch, scale, 0, s, lo, hi, fused=False)[0])
@@ -243,8 +243,8 @@ def test_kernels_at_released_widths_gpu(dtype):
     s = q_lat.shape[1]
     tol = 1e-6 if dtype == torch.float32 else 1e-5
     got = pool_mass.sparse_pool_mass(q_lat, c, idx, lse, scale, kpool, index_topk)
-    ref = torch.cat([il._sparse_pool_mass(q_lat[:, a:a + 256], c, idx[:, a:a + 256], scale, kpool,
-                                          index_topk // kpool, lse[:, a:a + 256], None) for a in range(0, s, 256)], 1)
+    ref = torch.cat([pool_mass.sparse_pool_mass_reference(q_lat[:, a:a + 256], c, idx[:, a:a + 256], scale, kpool,
+                                          index_topk // kpool, lse[:, a:a + 256]) for a in range(0, s, 256)], 1)
     assert (ref > 0).sum() > s * 100                            # most of the 512 pool slots are in use
     assert rel(got, ref) <= tol, rel(got, ref)
     a, e = 2900, 3300                                          # across the document boundary

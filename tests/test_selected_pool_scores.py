@@ -1,6 +1,6 @@
-"""The indexer's scores at the selected pools (megatron_glm5/kernels/selected_pool_scores.py) against the PyTorch
-path of megatron_glm5/models/indexer_loss.py (``_pool_scores_of`` and its autograd), and the sparse indexer loss
-that runs on them against the loss's chunked PyTorch path.
+"""The indexer's scores at the selected pools (megatron_glm5/kernels/selected_pool_scores.py) against their
+PyTorch reference (``selected_pool_scores_reference``, the loss's PyTorch path, and its autograd), and the sparse
+indexer loss that runs on them against the loss's chunked PyTorch path.
 
 CPU (CI): Triton's interpreter (``TRITON_INTERPRET=1``, in a fresh process as in tests/test_pool_mass.py) on tiny
 random inputs: two batch rows, head count and selection width not multiples of the tiles (padded heads, a partial
@@ -45,9 +45,9 @@ def _random_case(b, s, H, D, P, n, gen, device="cpu"):
 
 
 def _compare(q, keys, w, sel, dout, scale) -> dict:
-    """Forward and gradients of the kernel against ``_pool_scores_of`` (unused slots masked to 0) and autograd."""
+    """Forward and gradients of the kernel against ``selected_pool_scores_reference`` (unused slots masked to 0) and autograd."""
     from megatron_glm5.kernels.selected_pool_scores import selected_pool_scores
-    from megatron_glm5.models.indexer_loss import _pool_scores_of
+    from megatron_glm5.kernels.selected_pool_scores import selected_pool_scores_reference
 
     res = {}
     for name in ("kernel", "torch"):
@@ -55,7 +55,7 @@ def _compare(q, keys, w, sel, dout, scale) -> dict:
         if name == "kernel":
             out = selected_pool_scores(*leaves, sel, scale)
         else:
-            out = _pool_scores_of(*leaves, sel.clamp(min=0), scale).masked_fill(sel < 0, 0.0)
+            out = selected_pool_scores_reference(*leaves, sel.clamp(min=0), scale).masked_fill(sel < 0, 0.0)
         out.backward(dout)
         res[name] = [out.detach()] + [t.grad for t in leaves]
     k, t = res["kernel"], res["torch"]
@@ -138,7 +138,8 @@ def test_sparse_loss_in_one_pass_equals_the_chunked_pytorch_path_on_the_interpre
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_released_widths_gpu(dtype):
     """32 index heads, D 128, 512 selected pools of 1024 (4096 queries, kpool 4): the kernel's logits and
-    ``dweights`` against ``_pool_scores_of`` + autograd to 1e-5 of their norm (TF32x3 products, atomics), ``dq`` and
+    ``dweights`` against ``selected_pool_scores_reference`` + autograd to 1e-5 of their norm (TF32x3 products,
+    atomics), ``dq`` and
     ``dpool_keys`` to 3e-3 (the backward's TF32 products, and the ReLU: a score within rounding of 0 lands on the
     other side of it in one of the two computations and moves a whole term; ~9e-4 measured on an H100); the sparse
     loss from the kernels against the PyTorch path (64 heads, latent 512): value 1e-5, indexer gradients 3e-3."""

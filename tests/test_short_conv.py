@@ -4,7 +4,8 @@ the document starts it reads (CPU). The KDA layer with it against FLA's convolut
 import pytest
 import torch
 
-from megatron_glm5.models.packing import document_starts, make_packed_seq_params, row_document_starts
+from megatron_glm5.kernels.documents import document_starts
+from megatron_glm5.models.packing import make_packed_seq_params, row_document_starts
 from tests.helpers import rel
 
 

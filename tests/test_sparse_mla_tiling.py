@@ -4,6 +4,7 @@ staged operands (forward and backward) fit the shared-memory budget for latents 
 import pytest
 
 from megatron_glm5.kernels import sparse_mla as sm
+from megatron_glm5.kernels import triton_support as ts
 
 
 def _smem(t, fused, R, elem):
@@ -31,7 +32,7 @@ def test_fp32_default_is_the_fused_kernel_unfitted():
 def test_every_tiling_fits_the_budget(R):
     for cfg in (sm.BWD_CONFIG, sm.BWD_CONFIG_FP32):
         for dq, dkv, t in sm._bwd_passes(cfg, None, R):
-            assert _smem(t, dq and dkv, R, 2) <= sm._SMEM_BUDGET or (t["BLOCK_H"] == 16 and t["BLOCK_N"] == 16)
+            assert _smem(t, dq and dkv, R, 2) <= ts.SMEM_BUDGET or (t["BLOCK_H"] == 16 and t["BLOCK_N"] == 16)
             assert t["BLOCK_H"] >= 16 and t["BLOCK_N"] >= 16
     wide = sm._bwd_passes(sm.BWD_CONFIG, None, 1024)
     assert (wide[0][2]["BLOCK_H"], wide[0][2]["BLOCK_N"]) == (32, 16)          # 160 KiB at latent 1024
@@ -47,9 +48,9 @@ def test_explicit_passes_pick_their_own_tilings():
 
 @pytest.mark.parametrize("R", [16, 64, 512, 1024, 2048, 4096])
 def test_forward_tiling_fits_the_budget(R):
-    t = sm._fit_fwd_shared_memory(sm.FWD_CONFIG, R)
+    t = ts.fit_gather_tiling(sm.FWD_CONFIG, R)
     need = (t["BLOCK_H"] + t["num_stages"] * t["BLOCK_N"]) * R * 2
-    assert need <= sm._SMEM_BUDGET or (t["BLOCK_H"] == 16 and t["BLOCK_N"] == 16 and t["num_stages"] == 1)
+    assert need <= ts.SMEM_BUDGET or (t["BLOCK_H"] == 16 and t["BLOCK_N"] == 16 and t["num_stages"] == 1)
     if R <= 512:                                   # the released latent keeps the default (measured fastest)
         assert t == sm.FWD_CONFIG
     if R == 1024:                                  # rows down to 32 first, then one stage

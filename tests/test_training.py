@@ -76,13 +76,15 @@ def test_bad_combination_is_one_line_and_exit_2(capsys, extra, flag):
     ("cuda", ["--no-kda-save-intermediates"], False),
 ])
 def test_kda_save_intermediates_flag_reaches_the_config(device, extra, expect):
-    from megatron_glm5.models.builder import default_backends
+    from megatron_glm5.execution_plan import resolve_execution_plan
     from megatron_glm5.training.arguments import model_config_from_args, parse_args
 
     cfg = model_config_from_args(parse_args(BASE + ["--mock-data"] + extra, world_size=1), device)
+    plan = resolve_execution_plan(cfg, device)
     if expect is None:
-        expect = default_backends(device)["kda_backend"] == "fla_fused"
-    assert cfg.kda_save_intermediates is expect
+        expect = plan.kda_backend == "fla_fused"
+    assert plan.kda_save_intermediates is expect
+    assert cfg.kda_save_intermediates is (None if not extra else expect)   # the flag as given; None: the plan's
 
 
 def test_bad_combination_stops_the_script_before_any_work(tmp_path):

@@ -372,7 +372,7 @@ def test_dp_reshardable_state_in_another_buffer_order_is_refused():
 def test_tracker_fuzz_in_process(tmp_path):
     """Random tracker bytes: read_tracker names a folder exactly as Megatron-LM's reader (int(text.strip())) would,
     or raises one CheckpointDirError line; nothing else escapes."""
-    from megatron_glm5.checkpoint.megatron_layout import TRACKER_FILE, CheckpointDirError, read_tracker
+    from megatron_glm5.checkpoint.tracker import TRACKER_FILE, CheckpointDirError, read_tracker
 
     rng = random.Random(34)
     pieces = [b"", b" ", b"\n", b"\t", b"0", b"7", b"12", b"release", b"-", b"+", b"_", b"\xb2", "²".encode(),

@@ -148,6 +148,13 @@ def test_data_path_weight_must_be_finite_and_positive(capsys, tiny_data, weight)
     assert "--data-path: a weight must be a finite number > 0" in line, line
 
 
+def test_data_path_weights_whose_sum_overflows_are_one_line(capsys, tiny_data):
+    prefix = str(tiny_data / "text_text_document")
+    line = _parse_error(capsys, [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", "1e308", prefix, "1e308", prefix, "--tokenizer-model", str(tiny_data)])
+    assert line.endswith("--data-path: the weights sum to more than a float holds (1e308 1e308)"), line
+
+
 # ---------------------------------------------------------------------------- --hf-config
 @pytest.mark.parametrize("content, phrase", [
     (b"[1, 2]", "holds a JSON list, not an object"),
@@ -166,6 +173,25 @@ def test_bad_hf_config_is_one_line(capsys, tmp_path, content, phrase):
                         + ["--hf-config", str(tmp_path)])
     assert line.startswith(f"{PROG}: error: --hf-config: ") and phrase in line, line
     assert path.read_bytes() == content
+
+
+def test_config_sizes_no_machine_holds_are_one_line_before_allocating(tmp_path):
+    """A vocabulary of 10^12 ids: the trainer's model provider refuses it in one line naming the key, at once."""
+    import json
+    import time
+
+    from megatron_glm5.config import tiny_hf_config
+
+    hf = tiny_hf_config()
+    hf["text_config"]["vocab_size"] = 10 ** 12
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    t0 = time.time()
+    proc = run([a for a in BASE if a not in ("--model-preset", "glm5-tiny")] + ["--hf-config", str(tmp_path)],
+               timeout=300)
+    lines = error_lines(proc)
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"{PROG}: error: vocab_size: the model's weights need at least "), lines
+    assert "Traceback" not in proc.stderr and time.time() - t0 < 240
 
 
 # ---------------------------------------------------------------------------- the whole program

@@ -137,3 +137,41 @@ def test_pretrain_refuses_a_corrupt_video_in_one_line(env, tmp_path):
         in lines[0], lines
     assert "Traceback" not in proc_.stderr
     assert hashlib.sha256((d / "bad.mp4").read_bytes()).hexdigest() == before
+
+
+@pytest.mark.parametrize("case", ["short", "png"])
+def test_video_too_short_or_a_png_is_one_line(env, tmp_path, case):
+    """A 1-frame video (0.25 s, no frame at the processor's fps) and a PNG named as a video: one line naming it."""
+    from PIL import Image
+
+    root, cfg, proc, data, video = env
+    d = tmp_path / "d"
+    d.mkdir()
+    if case == "short":
+        rel = "short.mp4"
+        write_video(str(d / rel), video[:1])
+    else:
+        rel = "still.png"
+        Image.fromarray(video[0]).save(d / rel)
+    with pytest.raises(DataError) as e:
+        ChatDocuments(read_conversations([_conv(d, rel)]), proc, cfg, eod=0)
+    msg = str(e.value)
+    assert f"video {rel}" in msg and "\n" not in msg, msg
+    assert "too short" in msg, msg
+
+
+@pytest.mark.parametrize("content, key", [('{"fps": 0}', "fps"), ('{"fps": "2"}', "fps"), ('{"fps": -1.5}', "fps"),
+                                          ('{"max_frames": -3}', "max_frames"), ('{"max_frames": 2.5}', "max_frames"),
+                                          ('{"max_duration": "x"}', "max_duration"),
+                                          ('{"patch_expand_factor": 0}', "patch_expand_factor")])
+def test_bad_video_preprocessor_config_is_one_line(env, tmp_path, content, key):
+    root, cfg, proc, data, video = env
+    path = tmp_path / "video_preprocessor_config.json"
+    path.write_text(content)
+    with pytest.raises(DataError) as e:
+        build_video_processor(cfg.vision, str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: {key} must be") and "\n" not in msg, msg
+    path.write_text('{"fps": 2, "max_frames": 8}')
+    vp = build_video_processor(cfg.vision, str(path))
+    assert (vp.fps, vp.max_frames) == (2, 8)

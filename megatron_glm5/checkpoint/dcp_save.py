@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_glm5.checkpoint.checksums import HashingFile
 from megatron_glm5.checkpoint.lazy_sources import LazyTensors, TensorSource, prepare_sharded_state_dict
-from megatron_glm5.checkpoint.megatron_layout import CHECKPOINT_VERSION
+from megatron_glm5.checkpoint.tracker import CHECKPOINT_VERSION
 from megatron_glm5.checkpoint.torch_record import TorchRecordWriter
 
 RECORDS = TorchRecordWriter()  # the process's torch.save record writer (its caches and dtype checks are shared)

@@ -41,9 +41,9 @@ from megatron_glm5.checkpoint.dcp_save import save_streaming
 from megatron_glm5.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_assets import read_hf_assets, write_hf_assets
 from megatron_glm5.checkpoint.hf_io import HFCheckpointReader, mtp_notice, validate_hf_checkpoint
-from megatron_glm5.checkpoint.layout import validate_layout
+from megatron_glm5.checkpoint.conversion_target import validate_layout
 from megatron_glm5.checkpoint.lazy_sources import DTYPES, MTP_INIT_SEED, conversion_sources  # noqa: F401
-from megatron_glm5.checkpoint.megatron_layout import RELEASE, write_release_tracker
+from megatron_glm5.checkpoint.tracker import RELEASE, write_release_tracker
 from megatron_glm5.checkpoint.workers import run_workers
 from megatron_glm5.config import Glm5Config
 

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megatron_glm5.checkpoint.checksums import verify_manifest
 from megatron_glm5.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_keys import canonical_name, is_fp32_island_hf, is_non_persistent, mcore_to_hf
-from megatron_glm5.checkpoint.megatron_layout import resolve_checkpoint_dir
+from megatron_glm5.checkpoint.tracker import resolve_checkpoint_dir
 from megatron_glm5.checkpoint.safe_load import SafeFileSystemReader
 from megatron_glm5.checkpoint.safetensors_io import nbytes
 

@@ -33,9 +33,10 @@ def stderr_line(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_cli(prog: str, body: Callable[[], Optional[int]]) -> int:
+def run_cli(prog: str, body: Callable[[], Optional[int]], lean: bool = False) -> int:
     """Run ``body`` and turn its exceptions into one stderr line and an exit code (a Ctrl-C while torch is still
-    being imported included)."""
+    being imported included). ``lean``: a tool that runs no model code imports megatron-core without its compiled
+    fusions (:mod:`megatron_glm5.lean_import`, seconds less start-up)."""
 
     def fail(msg: str, code: int) -> int:
         print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
@@ -44,6 +45,10 @@ def run_cli(prog: str, body: Callable[[], Optional[int]]) -> int:
     user_errors = (CheckpointError, Glm5ConfigError)
     try:
         # torch and megatron-core load here, inside the handler (seconds): a Ctrl-C in them is the one line below
+        if lean:
+            from megatron_glm5.lean_import import import_megatron_without_compile
+
+            import_megatron_without_compile()
         import megatron_glm5.config  # noqa: F401
 
         return body() or 0

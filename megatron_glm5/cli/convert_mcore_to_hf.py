@@ -54,22 +54,31 @@ def parser() -> OneLineArgumentParser:
     return p
 
 
+def _missing_input(a) -> str:
+    """Why the inputs the flags name cannot be read ('' when they can)."""
+    if not os.path.isdir(a.load):
+        return f"--load {a.load}: no such directory"
+    if a.hf_config is not None and not os.path.exists(a.hf_config):
+        return f"--hf-config {a.hf_config}: not found"
+    if a.hf_assets is not None and not os.path.isdir(a.hf_assets):
+        return f"--hf-assets {a.hf_assets}: no such directory"
+    return ""
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    missing = _missing_input(a)  # before torch is imported
+    if missing:
+        stderr_line(f"{PROG}: error: {missing}")
+        return 2
     quiet_library_warnings()
 
     def body():
         from megatron_glm5.checkpoint.atomic import check_output_path
         from megatron_glm5.checkpoint.hf_export import ExportError, export_hf_checkpoint
-        from megatron_glm5.checkpoint.megatron_layout import resolve_checkpoint_dir
+        from megatron_glm5.checkpoint.tracker import resolve_checkpoint_dir
         from megatron_glm5.checkpoint.mcore_reader import check_torch_dist, find_hf_config
 
-        if not os.path.isdir(a.load):
-            raise ExportError(f"--load {a.load}: no such directory")
-        if a.hf_config is not None and not os.path.exists(a.hf_config):
-            raise ExportError(f"--hf-config {a.hf_config}: not found")
-        if a.hf_assets is not None and not os.path.isdir(a.hf_assets):
-            raise ExportError(f"--hf-assets {a.hf_assets}: no such directory")
         load_dir = resolve_checkpoint_dir(a.load)
         check_output_path(a.out, [a.load, load_dir, a.hf_config, a.hf_assets], a.overwrite)
         check_torch_dist(load_dir)
@@ -79,7 +88,7 @@ def main(argv=None) -> int:
                              overwrite=a.overwrite, progress=not a.no_progress, inputs=[a.load], log=stderr_line,
                              hf_assets=a.hf_assets)
 
-    return run_cli(PROG, body)
+    return run_cli(PROG, body, lean=True)  # reads a checkpoint: none of megatron-core's fusions run
 
 
 if __name__ == "__main__":

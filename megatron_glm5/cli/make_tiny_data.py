@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     from megatron_glm5.cli.common import quiet_library_warnings, run_cli
 
     quiet_library_warnings()
-    return run_cli(PROG, lambda: _write(p, args))
+    return run_cli(PROG, lambda: _write(p, args), lean=True)  # no model code
 
 
 def _write(p, args) -> int:
@@ -68,7 +68,8 @@ def _write(p, args) -> int:
             p.error(f"--vocab-size: {e}")
         text = make_text_jsonl(os.path.join(tmp, "text.jsonl"), args.text_docs, seed=args.seed)
         rc = preprocess_data.main(["--input", text, "--tokenizer-model", tok, "--output-prefix",
-                                   os.path.join(tmp, "text"), "--append-eod", "--log-interval", "0"])
+                                   os.path.join(tmp, "text"), "--append-eod", "--log-interval", "0"],
+                                  report=False)  # it names the temporary folder; the line below names the output
         if rc:
             raise SystemExit(rc)
         make_vqa_jsonl(os.path.join(tmp, "vqa"), args.vqa_docs, seed=args.seed)

@@ -211,22 +211,22 @@ def parser() -> OneLineArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    bad = ("--layers must be >= 2 (one KDA and one DSA layer)" if a.layers < 2 else
+           "--hc-mult must be >= 1 and --shard-mb >= 0" if a.hc_mult < 1 or a.shard_mb < 0 else "")
+    if bad:  # before torch is imported
+        stderr_line(f"{PROG}: error: {bad}")
+        return 2
     quiet_library_warnings()
 
     def body():
-        from megatron_glm5.errors import CheckpointError
         from megatron_glm5.config import tiny_hf_config
 
-        if a.layers < 2:
-            raise CheckpointError("--layers must be >= 2 (one KDA and one DSA layer)")
-        if a.hc_mult < 1 or a.shard_mb < 0:
-            raise CheckpointError("--hc-mult must be >= 1 and --shard-mb >= 0")
         cfg = tiny_hf_config(num_layers=a.layers, hc_mult=a.hc_mult, with_vision=not a.no_vision)
         write_checkpoint(a.out, cfg, fmt=a.format, mtp=a.mtp, seed=a.seed, shard_mb=a.shard_mb,
                          overwrite=a.overwrite, log=stderr_line)
         print(f"{PROG}: wrote {a.format} checkpoint to {a.out}")
 
-    return run_cli(PROG, body)
+    return run_cli(PROG, body, lean=True)  # transformers' model, none of megatron-core's
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 Megatron-LM's flag names. Every line of IN.jsonl is one JSON object; the string under each ``--json-keys`` key is
 one document, tokenized with the HF ``tokenizer.json`` (no BOS; ``--append-eod`` appends the tokenizer's
 end-of-document id). A document that tokenizes to nothing (and has no EOD) is skipped and counted. The files are
-written through megatron-core's ``IndexedDatasetBuilder`` (uint16 tokens when the vocabulary has < 65500 ids,
-int32 otherwise) under temporary names beside them (``.NAME.bin.tmp-*``) and renamed into place only once
+written through megatron-core's ``IndexedDatasetBuilder`` (uint16 tokens when the tokenizer's largest id, its
+end-of-document id included, is < 65499, int32 otherwise; ids need not be dense, so the entry count does not
+decide) under temporary names beside them (``.NAME.bin.tmp-*``) and renamed into place only once
 complete, the ``.idx`` last, under a lock on the prefix (a second run writing the same prefix is refused); the
 temporaries of a killed run are removed by the next one. Existing outputs are never overwritten: the run is
 refused before any work.
@@ -110,7 +111,8 @@ def preprocess(args) -> dict:
     final = _output_paths(args)
     _refuse_existing(args, final)
     tokenizer = build_tokenizer(args.tokenizer_model)  # fails here, in the main process, with one line
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    dtype = DType.optimal_dtype(max(tokenizer.max_id, tokenizer.eod) + 1)
+    top = int(numpy.iinfo(dtype).max)  # every id written is checked against it: never a wrapped id
 
     builders = {}
     tmp = {}
@@ -145,6 +147,11 @@ def preprocess(args) -> dict:
                     if not ids:
                         counts["skipped_empty"] += 1
                         continue
+                    if max(ids) > top or min(ids) < 0:
+                        bad = max(ids) if max(ids) > top else min(ids)
+                        raise DataError(f"{args.input}:{lineno}: token id {bad} does not fit the "
+                                        f"{numpy.dtype(dtype).name} chosen from the tokenizer's largest id "
+                                        f"{tokenizer.max_id}")
                     builders[key].add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
                     counts["tokens"] += len(ids)
                 counts["documents"] += 1
@@ -180,7 +187,9 @@ def preprocess(args) -> dict:
     return counts
 
 
-def main(argv=None) -> int:
+def main(argv=None, report: bool = True) -> int:
+    """The command line; returns the exit status. ``report=False``: no closing "wrote ..." line (a caller that
+    writes into a temporary folder and renames it says what it wrote itself)."""
     p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
@@ -212,6 +221,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: internal error: {type(e).__name__}: {one_line(e)} (set {TRACEBACK_ENV}=1 for the "
               f"traceback)", file=sys.stderr)
         return 1
+    if not report:
+        return 0
     print(f"{PROG}: wrote {c['documents']} documents ({c['tokens']} tokens, {c['dtype']}"
           + (f", {c['skipped_empty']} empty skipped" if c["skipped_empty"] else "")
           + f") to {', '.join(o + '.bin/.idx' for o in c['outputs'])} in {c['seconds']:.1f} s")

@@ -4,7 +4,8 @@
 * :mod:`~megatron_glm5.config.vision`: ``Glm5VisionConfig`` (the vision tower);
 * :mod:`~megatron_glm5.config.hf`: HF ``config.json`` import (``Glm5Config.from_hf``) and export (``to_hf_dict``);
 * :mod:`~megatron_glm5.config.hf_defaults`: what an absent HF key means (transformers' config classes' defaults);
-* :mod:`~megatron_glm5.config.presets`: ``glm5_flash_config()`` (the released sizes) and ``tiny_config()``.
+* :mod:`~megatron_glm5.config.presets`: ``glm5_flash_config()`` (the released sizes) and ``tiny_config()``;
+* :mod:`~megatron_glm5.config.parallelism`: where every layer lives under a parallel layout, one-line refusals.
 """
 
 from megatron_glm5.config.hf import check_hf_config_types

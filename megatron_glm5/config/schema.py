@@ -1,6 +1,6 @@
 """GLM-5.3-Flash's model config on top of megatron-core's ``MLATransformerConfig``: every field with its docstring,
 and the checks of a field's value (``validate_glm`` raises one ``Glm5ConfigError`` naming the first inconsistent
-field; the parallel layout is checked by :mod:`megatron_glm5.models.parallel_layout`).
+field; the parallel layout is checked by :mod:`megatron_glm5.config.parallelism`).
 
 Which kernels, graphs and fused paths run is not a config field's default: the backend fields name the reference
 paths, and :func:`megatron_glm5.execution_plan.resolve_execution_plan` decides what runs on a device.
@@ -8,8 +8,10 @@ paths, and :func:`megatron_glm5.execution_plan.resolve_execution_plan` decides w
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -19,12 +21,41 @@ from megatron_glm5.config.hf_defaults import HF_TOP_DEFAULTS as _HF_TOP
 from megatron_glm5.config.vision import Glm5VisionConfig
 from megatron_glm5.errors import Glm5ConfigError
 from megatron_glm5.layer_types import DENSE_MLP, INDEXED_ATTENTION, LINEAR_ATTENTION, SPARSE_MLP
-from megatron_glm5.models.parallel_layout import prepare_parallel_layout
+from megatron_glm5.config.parallelism import prepare_parallel_layout
 
 KDA_BACKENDS = ("torch", "fla", "fla_fused")
 KDA_CONV_KERNELS = ("triton", "fla")
 DSA_BACKENDS = ("torch", "sparse", "fused")
 MOE_EXPERTS_BACKENDS = ("sequential", "grouped")
+MAX_SINKHORN_ITERS = 1000
+"""Most Sinkhorn iterations of the mHC comb matrix (the released model runs 20; each is two normalisations per
+layer and token, forward and backward)."""
+
+
+def device_memory_bytes(device: str) -> Tuple[int, str]:
+    """(bytes, what) of the memory a model built on ``device`` ('cuda' or 'cpu') can use: the current GPU's total
+    memory, or the machine's physical memory capped by the cgroup limit of this process."""
+    if device.startswith("cuda"):
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(props.total_memory), f"this GPU ({props.name})"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+        break
+    return int(total), "this machine's memory"
+
+
+def torch_dtype_bytes(dtype) -> int:
+    """Bytes of one element of the torch ``dtype``."""
+    return int(dtype.itemsize)
 
 
 @dataclass
@@ -232,7 +263,8 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
         need(self.qk_pos_emb_head_dim == 0, "qk_rope_head_dim", "GLM-5.3 DSA is NoPE; must be 0")
         need(self.q_lora_rank is not None and self.q_lora_rank > 0, "q_lora_rank", "is required for DSA layers")
         need(self.hc_mult >= 1, "hc_mult", "must be >= 1")
-        need(self.hc_sinkhorn_iters >= 1, "hc_sinkhorn_iters", "must be >= 1")
+        need(1 <= self.hc_sinkhorn_iters <= MAX_SINKHORN_ITERS, "hc_sinkhorn_iters",
+             f"must be in [1, {MAX_SINKHORN_ITERS}], got {self.hc_sinkhorn_iters}")
         need(self.norm_topk_prob or self.moe_router_topk == 1, "norm_topk_prob",
              "False is not supported (megatron-core's sigmoid router normalises the top-k scores)")
         if SPARSE_MLP in self.mlp_layer_types:
@@ -261,6 +293,44 @@ class Glm5Config(HFConfigIO, MLATransformerConfig):
             self.vision.validate()
             need(self.vision.out_hidden_size == self.hidden_size, "vision_config.out_hidden_size",
                  f"{self.vision.out_hidden_size} != text hidden_size {self.hidden_size}")
+
+    # ------------------------------------------------------------------ memory
+    def rank_weight_bytes_lower_bounds(self) -> Dict[str, int]:
+        """Lower bounds of the weight bytes (``params_dtype``) the most loaded rank of this layout holds, by the HF
+        config key(s) that size them: the embedding (and an untied output layer on the same stage) of
+        ``vocab_size x hidden_size`` over TP, the routed experts of the heaviest pipeline stage
+        (``n_routed_experts x moe_intermediate_size``, three ``hidden_size``-wide matrices each) over EP x ETP,
+        and the dense MLPs of that stage (``intermediate_size``) over TP. Computed in Python integers: no size
+        overflows, nothing is allocated."""
+        item = torch_dtype_bytes(self.params_dtype)
+        h, tp, pp = int(self.hidden_size), int(self.tensor_model_parallel_size), int(self.pipeline_model_parallel_size)
+        untied_here = 2 if (not self.tie_word_embeddings and pp == 1) else 1
+        out = {"vocab_size": item * untied_here * int(self.vocab_size) * h // tp}
+        n_moe = sum(t == SPARSE_MLP for t in self.mlp_layer_types)
+        n_dense = len(self.mlp_layer_types) - n_moe
+        if n_moe and self.num_moe_experts:
+            ep = int(self.expert_model_parallel_size) * int(self.expert_tensor_parallel_size or tp)
+            out["n_routed_experts x moe_intermediate_size"] = (item * math.ceil(n_moe / pp) * int(self.num_moe_experts)
+                                                               * 3 * h * int(self.moe_ffn_hidden_size) // ep)
+        if n_dense:
+            out["intermediate_size"] = item * math.ceil(n_dense / pp) * 3 * h * int(self.ffn_hidden_size) // tp
+        return out
+
+    def check_fits_memory(self, device: str, available: Optional[int] = None) -> None:
+        """Raise Glm5ConfigError naming the config key whose weights alone exceed the memory of ``device`` for one
+        rank (``available`` bytes, else :func:`device_memory_bytes`), before anything is allocated."""
+        what = f"the {available} bytes given"
+        if available is None:
+            available, what = device_memory_bytes(device)
+        bounds = self.rank_weight_bytes_lower_bounds()
+        total = sum(bounds.values())
+        if total <= available:
+            return
+        key = max(bounds, key=bounds.get)
+        gib = 1024 ** 3
+        raise Glm5ConfigError(f"{key}: the model's weights need at least {total / gib:.4g} GiB on one rank of this "
+                              f"layout ({bounds[key] / gib:.4g} GiB of them for {key}), more than the "
+                              f"{available / gib:.4g} GiB of {what}")
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -12,10 +12,14 @@ Processor (:func:`build_processor`): the tokenizer (transformers' ``PreTrainedTo
 ``Glm5NextImageProcessorPil`` (:func:`megatron_glm5.data.vqa.build_image_processor`) and ``Glm5NextVideoProcessor``
 (:func:`build_video_processor`), each set up from the model's vision config and the ``*preprocessor_config.json``
 files next to ``--hf-config``.
+
+Rendering (:func:`render_bounded`): each rendering of a conversation is bounded in time (:data:`MAX_RENDER_SECONDS`)
+and output size (:data:`MAX_RENDER_CHARS`); a template past either is one line naming the conversation.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -26,7 +30,105 @@ from megatron_glm5.data.jsonl import parse_json
 _VIDEO_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std",
                "do_convert_rgb", "min_image_tokens", "max_image_tokens", "patch_expand_factor", "fps", "max_frames",
                "max_duration", "do_sample_frames")
+_VIDEO_NUMBERS = {"fps": ((int, float), 0), "max_frames": (int, 1), "max_duration": ((int, float), None),
+                  "patch_expand_factor": (int, 1)}
+"""The video processor's sampling settings: (type, lowest value) each must have."""
 MAX_TEMPLATE_BYTES = 4 * 1024 * 1024
+
+
+MAX_RENDER_SECONDS = 10.0
+"""Longest one rendering of a conversation by the chat template may run (a template's loops are bounded only by
+jinja's sandbox, 100,000 per ``range``, so nested loops can run for hours)."""
+MAX_RENDER_CHARS = 64 * 1024 * 1024
+"""Longest text one rendering may give."""
+
+
+class _RenderDeadline(BaseException):
+    """Raised inside a thread whose rendering ran past its deadline (by :class:`_Watchdog`)."""
+
+
+class _Watchdog:
+    """One daemon thread per process that raises :class:`_RenderDeadline` in a thread still inside a guarded call
+    at its deadline (``PyThreadState_SetAsyncExc``: the rendering is Python bytecode, jinja's compiled template, so
+    the exception lands at its next loop iteration or call)."""
+
+    _instance = None
+
+    def __init__(self):
+        import threading
+
+        self.pid = os.getpid()
+        self.cond = threading.Condition()
+        self.jobs = {}  # thread id -> (deadline, token)
+        self.fired = set()
+        self.counter = 0
+        threading.Thread(target=self._run, name="glm5-render-watchdog", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> "_Watchdog":
+        if cls._instance is None or cls._instance.pid != os.getpid():  # a forked worker has no watchdog thread
+            cls._instance = cls()
+        return cls._instance
+
+    def _run(self):
+        import ctypes
+        import time
+
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                due = [(tid, tok) for tid, (deadline, tok) in self.jobs.items() if deadline <= now]
+                for tid, tok in due:
+                    del self.jobs[tid]
+                    self.fired.add(tok)
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_RenderDeadline))
+                waits = [deadline - now for deadline, _ in self.jobs.values()]
+                self.cond.wait(min(waits) if waits else None)
+
+    def call(self, fn, seconds: float):
+        """``fn()``; True as the second value when it was stopped at ``seconds``."""
+        import ctypes
+        import threading
+        import time
+
+        tid = threading.get_ident()
+        with self.cond:
+            self.counter += 1
+            token = self.counter
+            self.jobs[tid] = (time.monotonic() + seconds, token)
+            self.cond.notify()
+        out = None
+        try:
+            try:
+                out = fn()
+            finally:
+                with self.cond:
+                    self.jobs.pop(tid, None)
+                    stopped = token in self.fired
+                    self.fired.discard(token)
+                if stopped:  # the exception may still be pending: drop it
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+        except _RenderDeadline:
+            stopped = True
+        return out, stopped
+
+
+def render_bounded(render, where: str, **kwargs):
+    """transformers' ``render_jinja_template(**kwargs)`` (its sandboxed Jinja environment), stopped with a one-line
+    :class:`DataError` naming ``where`` when it runs longer than :data:`MAX_RENDER_SECONDS` or gives more than
+    :data:`MAX_RENDER_CHARS` characters; returns what ``render`` returns."""
+    try:
+        out, stopped = _Watchdog.get().call(lambda: render(**kwargs), MAX_RENDER_SECONDS)
+    except Exception as e:  # noqa: BLE001 - jinja raises many types (TemplateError, TypeError ...)
+        raise DataError(f"{where}: the chat template fails on this conversation ({one_line(e)})") from None
+    if stopped:
+        raise DataError(f"{where}: the chat template ran longer than {MAX_RENDER_SECONDS:g} s on this conversation "
+                        f"(a template loop too long)")
+    size = sum(len(t) for t in out[0])
+    if size > MAX_RENDER_CHARS:
+        raise DataError(f"{where}: the chat template renders this conversation as {size} characters, more than "
+                        f"{MAX_RENDER_CHARS}")
+    return out
 
 
 def _folder(tokenizer_model: str) -> str:
@@ -118,7 +220,8 @@ def build_hf_tokenizer(tokenizer_model: str):
 def build_video_processor(vision_config, video_preprocessor_config: Optional[str] = None,
                           min_image_tokens: Optional[int] = None, max_image_tokens: Optional[int] = None):
     """transformers' ``Glm5NextVideoProcessor`` for ``vision_config``; the optional ``video_preprocessor_config.json``
-    (or ``preprocessor_config.json``) gives the rest and must agree on patch, temporal patch and merge sizes."""
+    (or ``preprocessor_config.json``) gives the rest and must agree on patch, temporal patch and merge sizes; ``fps``
+    must be a finite number > 0, ``max_frames`` and ``patch_expand_factor`` integers >= 1, ``max_duration`` finite."""
     from transformers.models.glm5_next.video_processing_glm5_next import Glm5NextVideoProcessor
 
     sizes = {"patch_size": vision_config.patch_size, "temporal_patch_size": vision_config.temporal_patch_size,
@@ -130,6 +233,16 @@ def build_video_processor(vision_config, video_preprocessor_config: Optional[str
             if k in pre and pre[k] != v:
                 raise DataError(f"{video_preprocessor_config}: {k}={pre[k]} disagrees with the vision config ({v})")
         kw = {k: pre[k] for k in _VIDEO_KEYS if k in pre}
+        for k, (kind, low) in _VIDEO_NUMBERS.items():
+            v = kw.get(k)
+            if v is None:
+                continue
+            ok = (isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v)
+                  and (low is None or v >= low) and (k != "fps" or v > 0))
+            if not ok:
+                want = {"fps": "a finite number > 0", "max_duration": "a finite number (<= 0: no cap)"}.get(
+                    k, f"an integer >= {low}")
+                raise DataError(f"{video_preprocessor_config}: {k} must be {want}, got {v!r}")
     if min_image_tokens is not None:
         kw["min_image_tokens"] = int(min_image_tokens)
     if max_image_tokens is not None:

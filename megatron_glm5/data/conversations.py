@@ -26,14 +26,16 @@ Loss (``loss_mask`` of position ``j`` is 1 iff its label, token ``j + 1``, is a 
 
 - default: the tokens of every assistant turn, and the turn's closing token (the token after the turn, e.g. the
   next ``<|user|>`` or the appended end-of-document) when the turn, trailing whitespace dropped, does not end in a
-  special token of its own (a template with an end-of-turn token keeps it inside the turn);
+  special token of its own (a template with an end-of-turn token keeps it inside the turn); an empty turn (an empty
+  or all-whitespace answer) trains its closing token alone;
 - ``--loss-on-last-turn-only``: the same for the last assistant turn only;
 - ``--loss-on-all-turns``: every token (system and user turns too);
 
-never a token of an image or video span. An assistant turn is where the template puts it: the ``{% generation %}``
-blocks of a template that has them (transformers' ``return_assistant_tokens_mask``), otherwise the text between the
-rendering of the messages before it with the generation prompt and the rendering up to it (a template that does not
-render conversations prefix-consistently needs the tags; refused in one line).
+never a token of an image or video span. A set of conversations with no target at all is refused in one line. An
+assistant turn is where the template puts it: the ``{% generation %}`` blocks of a template that has them
+(transformers' ``return_assistant_tokens_mask``), otherwise the text between the rendering of the messages before
+it with the generation prompt and the rendering up to it (a template that does not render conversations
+prefix-consistently needs the tags; refused in one line).
 
 Text of a message holding a special token of the tokenizer (``<|image|>``, ``<|user|>`` ...) is refused in one
 line naming ``FILE:LINE``: those strings would be read as the control tokens.
@@ -41,6 +43,7 @@ line naming ``FILE:LINE``: those strings would be read as the control tokens.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import re
@@ -52,6 +55,7 @@ import torch
 
 from megatron_glm5.errors import one_line
 from megatron_glm5.data import DataError
+from megatron_glm5.data.chat_template import render_bounded
 from megatron_glm5.data.jsonl import parse_json, text_field
 from megatron_glm5.data.vqa import (ImageRef, PackedVQADataset, data_files, media_path, placeholder_ids,
                                      read_jsonl, read_webdataset)
@@ -220,12 +224,16 @@ def image_grid(image_processor, height: int, width: int) -> List[int]:
 
 
 def video_plan(video_processor, metadata) -> Tuple[np.ndarray, List[int]]:
-    """(frame indices the video processor samples, ``[grid_t, grid_h, grid_w]``) for a video of ``metadata``."""
+    """(frame indices the video processor samples, ``[grid_t, grid_h, grid_w]``) for a video of ``metadata``;
+    :class:`DataError` for a video too short to give a frame at the processor's fps."""
     from transformers.models.glm5_next.video_processing_glm5_next import smart_resize
 
     vp = video_processor
     indices = np.asarray(vp.sample_frames(metadata=metadata, fps=vp.fps), dtype=np.int64)
     n = len(indices)
+    if n == 0:
+        raise DataError(f"a video of {metadata.duration:.2f} s ({metadata.total_num_frames} frame(s) at "
+                        f"{metadata.fps:g} fps) gives no frame at the video processor's {vp.fps:g} fps (too short)")
     rh, rw = smart_resize(num_frames=n, height=metadata.height, width=metadata.width,
                           factor=vp.patch_size * vp.merge_size * vp.patch_expand_factor,
                           temporal_factor=vp.temporal_patch_size, min_pixels=vp.min_image_tokens,
@@ -300,27 +308,24 @@ class ChatDocuments:
             self.videos.append(d.videos)
             self.modality_tokens.append(d.modality_tokens)
         self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
+        if self.tokens and not any(t.any() for t in self.targets):
+            raise DataError(f"--data-path: none of the {len(self.tokens)} conversations has a token to train on "
+                            f"(loss mode {loss!r}): check the assistant turns and the chat template")
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     # ---------------------------------------------------------------- rendering
     def render(self, messages, add_generation_prompt: bool = False, where: str = "") -> str:
-        try:
-            out, _ = self._render(conversations=[messages], chat_template=self._template,
-                                  add_generation_prompt=add_generation_prompt, **self._render_kwargs)
-        except Exception as e:  # noqa: BLE001 - jinja raises many types (TemplateError, TypeError ...)
-            raise DataError(f"{where}: the chat template fails on this conversation ({one_line(e)})") from None
+        out, _ = render_bounded(self._render, where, conversations=[messages], chat_template=self._template,
+                                add_generation_prompt=add_generation_prompt, **self._render_kwargs)
         return out[0]
 
     def assistant_spans(self, messages, text: str, where: str) -> List[Tuple[int, int]]:
         """Character spans of the assistant turns in ``text`` (the rendering of ``messages``)."""
         if self.tagged:
-            try:
-                _, idx = self._render(conversations=[messages], chat_template=self._template,
-                                      return_assistant_tokens_mask=True, **self._render_kwargs)
-            except Exception as e:  # noqa: BLE001
-                raise DataError(f"{where}: the chat template fails on this conversation ({one_line(e)})") from None
+            _, idx = render_bounded(self._render, where, conversations=[messages], chat_template=self._template,
+                                    return_assistant_tokens_mask=True, **self._render_kwargs)
             return [tuple(s) for s in idx[0]]
         spans = []
         for i, m in enumerate(messages):
@@ -359,7 +364,14 @@ class ChatDocuments:
         for ref in c.media:
             if isinstance(ref, VideoRef):
                 meta = ref.probe()
-                indices, grid = video_plan(self.video_processor, meta)
+                try:
+                    indices, grid = video_plan(self.video_processor, meta)
+                except DataError as e:
+                    raise DataError(f"{ref.name}: {e}") from None
+                except Exception as e:  # noqa: BLE001 - transformers' sampling raises for videos it cannot take
+                    raise DataError(f"{ref.name}: the video processor cannot sample this video of "
+                                    f"{meta.total_num_frames} frame(s) at {meta.fps:g} fps ({one_line(e, 200)})"
+                                    ) from None
                 meta.frames_indices = indices.tolist()
                 videos.append(VideoPlan(ref, meta, grid))
             else:
@@ -382,6 +394,8 @@ class ChatDocuments:
         add_special = not (self._bos is not None and text.startswith(self._bos))
         enc = proc.tokenizer(expanded[0], add_special_tokens=add_special, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
+        if not ids:
+            raise DataError(f"{where}: the chat template renders this conversation as no tokens")
         offs = list(enc["offset_mapping"])
         trimmed = [(a, a + len(text[a:b].rstrip())) for a, b in spans]
         masked = proc._adjust_assistant_masks_indices(
@@ -406,6 +420,15 @@ class ChatDocuments:
             for k in ends:
                 if int(toks[k]) not in self._special_ids:
                     is_target[k + 1] = True
+            reps = offsets[0] if offsets else []
+            placeholder_ends = [r["span"][1] for r in reps]
+            gained = [0] + [r["new_span"][1] - r["span"][1] for r in reps]
+            for (_, end), (a, b) in zip(spans, trimmed):  # an empty turn: its closing token is its one target
+                if b > a:
+                    continue
+                pos = end + gained[bisect.bisect_right(placeholder_ends, end)]  # in the expanded text
+                after = np.flatnonzero((starts >= pos) & (stops > starts))
+                is_target[int(after[0]) if len(after) else len(toks) - 1] = True
         is_target &= ~in_media
         bad = toks[(toks < 0) | (toks >= self.vocab)]
         if len(bad):

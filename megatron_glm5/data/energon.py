@@ -19,9 +19,16 @@ unpickled); each sample becomes a document through the same chat template and pr
 (:func:`~megatron_glm5.data.pack.first_fit`) within Energon's packing buffer (``--energon-packing-buffer``) into
 rows of ``--seq-length`` tokens (:func:`~megatron_glm5.data.conversations.packed_row`) and batched with
 :func:`~megatron_glm5.data.collate.collate`. A sample that is unusable (a bad record, unreadable media, longer than
-``--seq-length``) is skipped with a notice line and counted in the next row's ``skipped_documents``; a sample
-Energon's own pipeline cannot load (a part that does not parse, a field map that does not match) is skipped with a
-notice line (:func:`_notice`), and Energon stops the run when 100 in a row fail.
+``--seq-length``, a crude sample without a ``messages`` list) is skipped with a notice line and counted in the next
+row's ``skipped_documents``, and :data:`MAX_UNUSABLE_IN_A_ROW` of them in a row stop the loader; a sample Energon's
+own pipeline cannot load (a part that does not parse, a field map that does not match) is skipped with a notice line
+(:func:`_notice`), and Energon stops the run when 100 in a row fail. A read that fails (a damaged shard) and such a
+stop reach the training loop as one :class:`~megatron_glm5.data.DataError` line (exit status 1).
+
+Configs: Energon's loader imports and calls what its YAML names (``__module__`` / ``__class__`` /
+``__function__``, ``.nv-meta/*.py`` named by ``part_filter`` / ``sample_loader``);
+:func:`~megatron_glm5.data.energon_config.check_energon_source` checks every config of the source first and refuses
+anything but plain keys and the classes read here, in one line naming the file and the key.
 
 Resume: the iterator has ``save_state()`` (Energon's ``save_state_rank()``), written per data-parallel rank into
 each checkpoint folder, ``iter_NNNNNNN/train_dataloader_dprankRRR.pt``
@@ -38,6 +45,9 @@ from typing import Dict, List, Optional
 from megatron_glm5.data import DataError
 
 ENERGON_META = ".nv-meta"
+MAX_UNUSABLE_IN_A_ROW = 1000
+"""The loader stops (one line, exit 1) when this many samples in a row cannot be used (a bad record, unreadable
+media, longer than ``--seq-length``): a data set with no usable sample ends the run instead of looping."""
 STATE_FILE = "train_dataloader_dprank{:03d}.pt"
 
 
@@ -62,6 +72,9 @@ def build_energon_loader(path: str, documents, seq_length: int, pad_id: int, mic
     :class:`~megatron_glm5.data.conversations.ChatDocuments` of no conversations) plans each sample."""
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
+    from megatron_glm5.data.energon_config import check_energon_source
+
+    check_energon_source(path)
     encoder = energon_class("ChatTaskEncoder")(documents, seq_length, pad_id)
     worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
                                  global_error_handler=_notice)
@@ -73,7 +86,7 @@ def build_energon_loader(path: str, documents, seq_length: int, pad_id: int, mic
         from megatron_glm5.errors import one_line
 
         raise DataError(f"--data-path {path}: not a usable Energon dataset ({one_line(e)})") from None
-    return EnergonIterator(get_savable_loader(ds, worker_config=worker_config))
+    return EnergonIterator(get_savable_loader(ds, worker_config=worker_config), path)
 
 
 def _notice(e: Exception, sample, sources=None) -> None:
@@ -86,10 +99,15 @@ def _notice(e: Exception, sample, sources=None) -> None:
 
 
 class EnergonIterator:
-    """Micro batches of an Energon savable loader, with the ``save_state()`` Megatron-LM's checkpointing calls."""
+    """Micro batches of an Energon savable loader, with the ``save_state()`` Megatron-LM's checkpointing calls.
 
-    def __init__(self, loader):
+    A read that fails in the loader (a damaged shard or index: ``tarfile.ReadError``, ``OSError``, ``EOFError``,
+    ``ValueError``; no usable sample in :data:`MAX_UNUSABLE_IN_A_ROW` tries) raises a
+    :class:`~megatron_glm5.data.DataError` of one line naming ``path``, also when a loader worker process read it."""
+
+    def __init__(self, loader, path: str = "an Energon source"):
         self.loader = loader
+        self.path = path
         self._it = None
 
     def restore(self, state) -> None:
@@ -104,9 +122,39 @@ class EnergonIterator:
         return self
 
     def __next__(self) -> Dict:
-        if self._it is None:
-            self._it = iter(self.loader)
-        return next(self._it)
+        import tarfile
+
+        try:
+            if self._it is None:
+                self._it = iter(self.loader)
+            return next(self._it)
+        except (OSError, EOFError, ValueError, tarfile.TarError) as e:
+            raise DataError(f"--data-path {self.path}: reading the Energon dataset failed ({loader_error_line(e)})") \
+                from None
+
+
+NO_USABLE = "no usable sample in"
+
+
+def loader_error_line(e: BaseException) -> str:
+    """What went wrong in Energon's loader, as one line: the message of the first error of ``e``'s chain (Energon
+    wraps errors in ``FatalSampleError``; torch re-raises a worker's error with the worker's traceback text as its
+    message, whose last line is the error)."""
+    from megatron_glm5.errors import one_line
+
+    chain, x = [], e
+    while x is not None and len(chain) < 16:
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    for x in chain:
+        if NO_USABLE in str(x):
+            text = str(x)
+            return one_line(ValueError(text[text.index(NO_USABLE):].splitlines()[0].rstrip(".")))
+    text = str(chain[-1])
+    if "Traceback (most recent call last)" in text:
+        lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
+        text = lines[-1] if lines else text
+    return one_line(ValueError(text) if text else chain[-1])
 
 
 def state_path(root: str, iteration: int, dp_rank: int) -> str:
@@ -266,13 +314,18 @@ def _classes():
         messages: list
         parts: dict
 
+    from megatron.energon.errors import FatalSampleError
+
+    class NoUsableSample(FatalSampleError):
+        """No usable sample in :data:`MAX_UNUSABLE_IN_A_ROW` tries: Energon does not handle this error, it ends the
+        loader."""
+
     @stateless
     def cook_conversation(crude: dict):
         obj = crude.get("json")
-        if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
-            raise SkipSample()
+        messages = obj.get("messages") if isinstance(obj, dict) else None
         parts = {k: v for k, v in crude.items() if not k.startswith("__") and k != "json"}
-        return ConversationSample(**basic_sample_keys(crude), messages=obj["messages"], parts=parts)
+        return ConversationSample(**basic_sample_keys(crude), messages=messages, parts=parts)
 
     class ChatTaskEncoder(TaskEncoder):
         """Samples -> planned documents -> first-fit packed rows -> collated micro batches."""
@@ -286,10 +339,15 @@ def _classes():
             self.seq_length = int(seq_length)
             self.pad_id = int(pad_id)
             self.skipped = 0
+            self.unusable_in_a_row = 0
 
         def _skip(self, why: str):
             print(f"notice: {why}: document skipped", flush=True)
             self.skipped += 1
+            self.unusable_in_a_row += 1
+            if self.unusable_in_a_row >= MAX_UNUSABLE_IN_A_ROW:
+                raise NoUsableSample(f"{NO_USABLE} {self.unusable_in_a_row} tries in a row (the last: {why}); "
+                                     f"every sample is unusable")
             raise SkipSample()
 
         @stateless
@@ -304,6 +362,7 @@ def _classes():
                 self._skip(one_line(e))
             if len(doc.tokens) > self.seq_length:
                 self._skip(f"{where}: {len(doc.tokens)} tokens, longer than --seq-length {self.seq_length}")
+            self.unusable_in_a_row = 0
             return _Encoded(doc, sample.__restore_key__)
 
         def select_samples_to_pack(self, samples: List) -> List[List]:
@@ -367,6 +426,8 @@ def to_conversation(sample, vqa_cls, where: str):
             raise DataError(f"{where}: the image part was decoded by Energon; use the raw decoder")
         return Conversation([{"role": "user", "content": user}, {"role": "assistant", "content": answer}], media,
                             where)
+    if not isinstance(sample.messages, list):
+        raise DataError(f"{where}: the sample's json part holds no 'messages' list")
     return conversation_from_parts({"messages": sample.messages}, sample.parts, where)
 
 

@@ -1,8 +1,9 @@
 """Reading JSONL records that may come from anywhere: each failure is a :class:`~megatron_glm5.data.DataError`
 whose one-line message names the record (``FILE:LINE`` or ``TAR:MEMBER``).
 
-:func:`parse_json` turns bad JSON, nesting deeper than Python's recursion limit and bytes that are not UTF-8 into
-that error; :func:`text_field` admits only strings that are text (a JSON ``\\ud800`` escape decodes to a lone
+:func:`parse_json` turns bad JSON, nesting deeper than Python's recursion limit, an integer longer than Python's
+int conversion limit (4,300 digits) and bytes that are not UTF-8 into that error; :func:`text_field` admits only
+strings that are text (a JSON ``\\ud800`` escape decodes to a lone
 surrogate, which no tokenizer or file can take).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 
 from megatron_glm5.data import DataError
+from megatron_glm5.errors import one_line
 
 
 def parse_json(text, where: str):
@@ -23,6 +25,8 @@ def parse_json(text, where: str):
         raise DataError(f"{where}: JSON nested too deeply") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # an integer of more digits than Python's int-to-str limit (4,300)
+        raise DataError(f"{where}: bad JSON ({one_line(e, 200)})") from None
 
 
 def text_field(record, key: str, where: str, what: str = "") -> str:

@@ -1,7 +1,8 @@
 """The text tokenizer: an HF ``tokenizer.json`` (the file GLM checkpoints ship) loaded with HF ``tokenizers``.
 
 ``build_tokenizer(path)`` returns a :class:`Glm5Tokenizer` with the attributes megatron-core's datasets read
-(``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``) and ``tokenize`` / ``detokenize``.
+(``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``), ``max_id`` (the largest id of the vocabulary, which
+exceeds ``vocab_size - 1`` where ids are not dense) and ``tokenize`` / ``detokenize``.
 
 End-of-document id (``eod``): the first of :data:`EOD_TOKENS` the vocabulary holds (GLM: ``<|endoftext|>``);
 a tokenizer with none of them is refused. Padding id (``pad``): the first of :data:`PAD_TOKENS` present, else ``eod``
@@ -55,6 +56,10 @@ class Glm5Tokenizer:
             raise DataError(f"--tokenizer-model: {self.path} is not a valid tokenizer.json "
                             f"({one_line(e)})") from None
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.max_id: int = max(vocab.values()) if vocab else -1
+        """The largest id of the vocabulary (added tokens included): ids need not be dense, so it can exceed
+        ``vocab_size - 1``."""
         found = [t for t in EOD_TOKENS if self._tok.token_to_id(t) is not None]
         if not found:
             raise DataError(f"--tokenizer-model: {self.path} has no end-of-document token (looked for "

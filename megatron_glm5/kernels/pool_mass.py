@@ -13,7 +13,7 @@ product (no ``P V``), probabilities by ``exp2`` in log2 units, the head sum, the
 reshaped to ``[BLOCK_N // KPOOL, KPOOL]`` and summed per pool (``KPOOL`` divides ``BLOCK_N``; both powers of two):
 
 * :func:`sparse_pool_mass` (the sparse stage): the rows are the selection's pool slots, gathered like the sparse
-  attention gathers them (``_program_query`` / ``_gather_selected`` of :mod:`~megatron_glm5.kernels.sparse_mla`),
+  attention gathers them (``program_query`` / ``gather_selected`` of :mod:`~megatron_glm5.kernels.triton_support`),
   and ``lse`` is the sparse attention's own (``sparse_mla(..., return_lse=True)``).
 * :func:`dense_pool_mass` (the dense warm-up): the rows are every position of the query's document up to and
   including it (contiguous), read twice: a first pass computes each head's log-sum-exp (online max / sum), a second
@@ -22,7 +22,8 @@ reshaped to ``[BLOCK_N // KPOOL, KPOOL]`` and summed per pool (``KPOOL`` divides
 Head blocks (more heads than ``BLOCK_H``) write partial sums to their own ``[n_head_blocks, ...]`` slice, added in
 PyTorch afterwards (deterministic, no atomics). Both launchers run on whatever device Triton targets (its
 interpreter, ``TRITON_INTERPRET=1``, takes CPU tensors); :mod:`~megatron_glm5.models.indexer_loss` picks them on
-CUDA and keeps its PyTorch code (the reference) elsewhere. Tiling: :data:`POOL_MASS_CONFIG`, cut to the device's
+CUDA and the PyTorch references elsewhere (:func:`sparse_pool_mass_reference`; the dense mass's is the loss's
+own PyTorch code). Tiling: :data:`POOL_MASS_CONFIG`, cut to the device's
 shared memory like the sparse attention's forward.
 
 Tuning left open: the dense kernel reads every key once per query (a block of queries per program would share the
@@ -32,19 +33,53 @@ tuned for a kernel without the ``P V`` product.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from megatron_glm5.kernels.sparse_mla import _LOG2E, _block_h, _fit_fwd_shared_memory, _limits, _prec, prepare_indices
-from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
+from megatron_glm5.kernels import triton_support
+from megatron_glm5.kernels.sparse_mla import prepare_indices
+from megatron_glm5.kernels.triton_support import (
+    HAVE_TRITON,
+    LOG2E,
+    block_h,
+    dot_precision,
+    fit_gather_tiling,
+    tl,
+    triton,
+)
 
-__all__ = ["POOL_MASS_CONFIG", "supported", "sparse_pool_mass", "dense_pool_mass"]
+__all__ = ["POOL_MASS_CONFIG", "supported", "sparse_pool_mass", "sparse_pool_mass_reference", "dense_pool_mass"]
 
 POOL_MASS_CONFIG = dict(BLOCK_H=64, BLOCK_N=128, num_warps=8, num_stages=1)
 """Tiling of both kernels: heads per program (capped at the padded head count), latent rows per step (raised to
 ``kpool`` when smaller), warps, stages. On CUDA ``BLOCK_N``, the stages, then ``BLOCK_H`` are cut until q
-``[BLOCK_H, R]`` and the staged rows ``[BLOCK_N, R]`` fit the device's shared memory (``sparse_mla.device_limits``).
+``[BLOCK_H, R]`` and the staged rows ``[BLOCK_N, R]`` fit the device's shared memory (``triton_support.device_limits``).
 Measured on an H100 (sparse mass, 16K queries, 64 heads, latent 512): 128 rows at one stage 10.0 ms, 64 at two
 10.8 ms, 32 at two 14.9 ms."""
+
+
+def sparse_pool_mass_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor,
+                               attn_scale: float, kpool: int, n_sel: int,
+                               lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The sparse attention's probability per selected pool, summed over the heads given (PyTorch; the reference
+    of :func:`sparse_pool_mass`): ``q_lat [b, c, Hl, r]``, ``kv_lat [b, S, r]``, ``topk_indices [b, c, w]`` (the
+    indexer's order: pools first), ``lse [b, c, Hl]`` or ``None`` (a softmax over the recomputed scores of the
+    valid slots) -> ``[b, c, n_sel]`` fp32."""
+    from megatron.core.transformer.experimental_attention_variant import dsa_masking
+
+    b, c, width = topk_indices.shape
+    idx = topk_indices.long()                                                       # [b, c, w]
+    tok_valid = idx >= 0
+    kv_sel = torch.gather(kv_lat, 1, idx.clamp(min=0).reshape(b, c * width, 1)
+                          .expand(-1, -1, kv_lat.shape[-1])).view(b, c, width, -1)
+    scores = torch.einsum("bchr,bcwr->bchw", q_lat.float(), kv_sel.float()) * attn_scale
+    if lse is None:
+        probs = dsa_masking.masked_softmax(scores, tok_valid[:, :, None].expand_as(scores))
+    else:
+        probs = torch.exp(scores - lse[:, :, :, None].float()).masked_fill(~tok_valid[:, :, None], 0.0)
+    mass = probs.sum(2)                                                             # [b, c, w]
+    return mass[..., : n_sel * kpool].reshape(b, c, n_sel, kpool).sum(-1)          # [b, c, n_sel]
 
 
 def supported(kpool: int, latent: int) -> bool:
@@ -55,7 +90,7 @@ def supported(kpool: int, latent: int) -> bool:
 
 # ============================================================================ Triton kernels
 if HAVE_TRITON:
-    from megatron_glm5.kernels.sparse_mla import _gather_selected, _program_query
+    from megatron_glm5.kernels.triton_support import gather_selected, program_query
 
     @triton.jit
     def _pool_sum_store(OUT, t, n_out, p, col0, n_pools, BLOCK_N: tl.constexpr, KPOOL: tl.constexpr):
@@ -71,13 +106,13 @@ if HAVE_TRITON:
                                  stride_qt, stride_qh, stride_kvt, stride_it, H,
                                  R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                  KPOOL: tl.constexpr, PREC: tl.constexpr):
-        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
+        t, offs_h, offs_r, offs_nb, h_ok, q = program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
                                                              stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         lse = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf"))                 # log2 units
         out = OUT + tl.program_id(1).to(tl.int64) * T * n_out
         n_end = tl.load(NEND + tl.program_id(0))
         for n0 in range(0, n_end, BLOCK_N):
-            rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+            rows, ok, kv = gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
             s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
             p = tl.where(ok[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
             _pool_sum_store(out, t, n_out, p, n0 // KPOOL, BLOCK_N // KPOOL, BLOCK_N, KPOOL)
@@ -96,7 +131,7 @@ if HAVE_TRITON:
                                 stride_qt, stride_qh, stride_kvt, H,
                                 R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                 KPOOL: tl.constexpr, PREC: tl.constexpr):
-        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
+        t, offs_h, offs_r, offs_nb, h_ok, q = program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
                                                              stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         i = tl.program_id(0) % C                                  # query of the chunk (the batch row: t // C)
         row0 = (t // C) * S
@@ -127,11 +162,11 @@ if HAVE_TRITON:
 
 def _tiling(q: torch.Tensor, kpool: int) -> dict:
     """:data:`POOL_MASS_CONFIG` with ``BLOCK_N >= kpool``, fitted to the device's shared memory on CUDA
-    (``_fit_fwd_shared_memory`` counts 16-bit operands: a wider element counts as a proportionally wider latent)."""
+    (``fit_gather_tiling`` counts 16-bit operands: a wider element counts as a proportionally wider latent)."""
     cfg = dict(POOL_MASS_CONFIG)
     cfg["BLOCK_N"] = max(cfg["BLOCK_N"], kpool)
     if q.is_cuda:
-        cfg = _fit_fwd_shared_memory(cfg, q.shape[-1] * q.element_size() // 2, _limits(q)[0])
+        cfg = fit_gather_tiling(cfg, q.shape[-1] * q.element_size() // 2, triton_support.tensor_limits(q)[0])
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], kpool)
     return cfg
 
@@ -145,7 +180,7 @@ def _launch_operands(q_lat: torch.Tensor, kv_lat: torch.Tensor, kpool: int, n_co
         q = q.contiguous()
     kv = kv_lat.reshape(-1, R).contiguous().to(q.dtype)
     cfg = _tiling(q, kpool)
-    bh = _block_h(H, cfg["BLOCK_H"])
+    bh = block_h(H, cfg["BLOCK_H"])
     n_hb = triton.cdiv(H, bh)
     return q, kv, cfg, bh, n_hb, torch.zeros(n_hb, b * c, n_cols, device=q.device, dtype=torch.float32)
 
@@ -185,12 +220,12 @@ def sparse_pool_mass(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: to
     n_out = n_pool_slots // kpool
     idx, n_end = prepare_indices(topk_indices[..., :n_pool_slots], S)                 # [b s, n_pool_slots]
     q, kv, cfg, bh, n_hb, out = _launch_operands(q_lat, kv_lat, kpool, n_out)
-    lse2 = (lse.float() * _LOG2E).reshape(b * s, H).contiguous()
+    lse2 = (lse.float() * LOG2E).reshape(b * s, H).contiguous()
     if b * s and n_out:
         _sparse_pool_mass_kernel[(b * s, n_hb)](
-            q, kv, idx, n_end, lse2, out, float(scale) * _LOG2E, b * s, n_out,
+            q, kv, idx, n_end, lse2, out, float(scale) * LOG2E, b * s, n_out,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), H,
-            R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], KPOOL=kpool, PREC=_prec(q.dtype),
+            R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], KPOOL=kpool, PREC=dot_precision(q.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out.sum(0).view(b, s, n_out)
 
@@ -223,8 +258,8 @@ def dense_pool_mass(q_lat: torch.Tensor, kv_lat: torch.Tensor, key_start: torch.
     meta = [x.to(device=q.device, dtype=torch.int32).contiguous() for x in (key_start, key_end, pool_col, pool_count)]
     if b * c and n_cols:
         _dense_pool_mass_kernel[(b * c, n_hb)](
-            q, kv, *meta, out, float(scale) * _LOG2E, b * c, c, S, n_cols,
+            q, kv, *meta, out, float(scale) * LOG2E, b * c, c, S, n_cols,
             q.stride(0), q.stride(1), kv.stride(0), H,
-            R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], KPOOL=kpool, PREC=_prec(q.dtype),
+            R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], KPOOL=kpool, PREC=dot_precision(q.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out.sum(0).view(b, c, n_cols)

@@ -10,13 +10,13 @@ query selected, with gradients into the indexer's queries, pool keys and head we
     logits[b, i, j] = sum_h weights[b, i, h] * relu(scale * <q[b, i, h], pool_keys[b, sel[b, i, j]]>)   [b, s, n]
 
 (the math of :func:`~megatron_glm5.kernels.indexer_scores.indexer_scores_reference` at the selected pools; an
-unused slot has logit 0 and passes no gradient). Reference: ``_pool_scores_of`` of
-:mod:`megatron_glm5.models.indexer_loss` (the loss's PyTorch path) and its autograd. In PyTorch that is a gather
+unused slot has logit 0 and passes no gradient). Reference: :func:`selected_pool_scores_reference` (the loss's
+PyTorch path in :mod:`megatron_glm5.models.indexer_loss`) and its autograd. In PyTorch that is a gather
 of ``[s, n, D]`` fp32 keys, two batched products over ``[s, H, n]`` and, backward, a scatter-add of ``[s, n, D]``
 into ``pool_keys``.
 
 Here one program owns one query (``grid = b * s``): its ``q [H, D]`` and weights stay in registers, the selected
-pools' keys are gathered ``BLOCK_N`` at a time (``_gather_selected`` of :mod:`~megatron_glm5.kernels.sparse_mla`;
+pools' keys are gathered ``BLOCK_N`` at a time (``gather_selected`` of :mod:`~megatron_glm5.kernels.triton_support`;
 the whole ``pool_keys`` is ~2 MB at 16K tokens, so the gathers hit L2), and only ``[b, s, n]`` is written.
 
 * forward: ``S = q keys^T [H, BLOCK_N]``, ``logits = sum_h w_h relu(scale S)``.
@@ -47,13 +47,24 @@ from __future__ import annotations
 
 import torch
 
-from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
+from megatron_glm5.kernels.triton_support import HAVE_TRITON, block_h, tl, triton
 
-__all__ = ["SELECTED_POOL_SCORES_CONFIG", "selected_pool_scores", "supported"]
+__all__ = ["SELECTED_POOL_SCORES_CONFIG", "selected_pool_scores", "selected_pool_scores_reference", "supported"]
 
 SELECTED_POOL_SCORES_CONFIG = dict(BLOCK_N=64, num_warps=4, bwd_BLOCK_N=32, bwd_num_warps=4, bwd_programs_per_sm=16)
 """Tiling: selected pools per step and warps, forward and backward (the backward holds ``q``, ``dq``
 ``[H, D]`` and a ``[BLOCK_N, D]`` key tile and its gradient)."""
+
+
+def selected_pool_scores_reference(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor, pools: torch.Tensor,
+                                    scale: float) -> torch.Tensor:
+    """Indexer scores of per-query pool lists: ``q [b, c, H, D]``, ``pool_keys [b, P, D]``, ``weights [b, c, H]``,
+    ``pools [b, c, n]`` (valid pool numbers) -> ``[b, c, n]`` fp32 (the math of ``indexer_scores_reference``)."""
+    b, c, n = pools.shape
+    keys = torch.gather(pool_keys.float(), 1, pools.reshape(b, c * n, 1).expand(-1, -1, pool_keys.shape[-1]))
+    keys = keys.view(b, c, n, -1)                                                    # [b, c, n, D]
+    per_head = torch.relu(torch.einsum("bchd,bcnd->bchn", q.float(), keys) * scale)  # [b, c, H, n]
+    return torch.einsum("bch,bchn->bcn", weights.float(), per_head)
 
 
 def supported(head_dim: int) -> bool:
@@ -63,20 +74,20 @@ def supported(head_dim: int) -> bool:
 
 
 if HAVE_TRITON:
-    from megatron_glm5.kernels.sparse_mla import _block_h, _gather_selected, _program_query
+    from megatron_glm5.kernels.triton_support import gather_selected, program_query
 
     @triton.jit
     def _selected_pool_scores_fwd_kernel(Q, K, W, SEL, OUT, s, P, n, H, scale, stride_qt, stride_qh,
                                          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                          PREC: tl.constexpr):
         """Program ``t`` (query ``t % s`` of batch row ``t // s``): ``OUT[t, :n]``."""
-        t, offs_h, offs_d, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), 0, stride_qt,
+        t, offs_h, offs_d, offs_nb, h_ok, q = program_query(Q, tl.program_id(0).to(tl.int64), 0, stride_qt,
                                                              stride_qh, H, D, BLOCK_H, BLOCK_N)
         q = q.to(tl.float32)                                                              # [BLOCK_H, D]
         w = tl.load(W + t * H + offs_h, mask=h_ok, other=0.0)                             # [BLOCK_H]
         keys_row = K + (t // s) * P * D
         for n0 in range(0, n, BLOCK_N):
-            _, _, keys = _gather_selected(SEL, keys_row, t, n, D, n0, n, offs_nb, offs_d)  # [BLOCK_N, D]
+            _, _, keys = gather_selected(SEL, keys_row, t, n, D, n0, n, offs_nb, offs_d)  # [BLOCK_N, D]
             scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale              # [BLOCK_H, BLOCK_N]
             logits = tl.sum(w[:, None] * tl.maximum(scores, 0.0), 0)
             cols = n0 + offs_nb
@@ -95,7 +106,7 @@ if HAVE_TRITON:
         scr = SCRATCH + pid.to(tl.int64) * (BLOCK_H * BLOCK_N)
         offs_s = tl.arange(0, BLOCK_H)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         for work in range(pid, T, tl.num_programs(0)):
-            t, offs_h, offs_d, offs_nb, h_ok, q = _program_query(Q, tl.cast(work, tl.int64), 0, stride_qt, stride_qh, H,
+            t, offs_h, offs_d, offs_nb, h_ok, q = program_query(Q, tl.cast(work, tl.int64), 0, stride_qt, stride_qh, H,
                                                                  D, BLOCK_H, BLOCK_N)
             q = q.to(tl.float32)
             w = tl.load(W + t * H + offs_h, mask=h_ok, other=0.0)
@@ -104,7 +115,7 @@ if HAVE_TRITON:
             dq = tl.zeros([BLOCK_H, D], tl.float32)
             dw = tl.zeros([BLOCK_H], tl.float32)
             for n0 in range(0, n, BLOCK_N):
-                rows, ok, keys = _gather_selected(SEL, keys_row, t, n, D, n0, n, offs_nb, offs_d)
+                rows, ok, keys = gather_selected(SEL, keys_row, t, n, D, n0, n, offs_nb, offs_d)
                 cols = n0 + offs_nb
                 dl = tl.load(DOUT + t * n + cols, mask=ok, other=0.0)                        # [BLOCK_N]
                 scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale
@@ -151,7 +162,7 @@ class _SelectedPoolScores(torch.autograd.Function):
         if b * s and n:
             _selected_pool_scores_fwd_kernel[(b * s,)](
                 qf, kf, wf, sf, out, s, P, n, H, float(scale), qf.stride(0), qf.stride(1),
-                D=D, BLOCK_H=_block_h(H), BLOCK_N=cfg["BLOCK_N"], PREC=_precision(qf),
+                D=D, BLOCK_H=block_h(H), BLOCK_N=cfg["BLOCK_N"], PREC=_precision(qf),
                 num_warps=cfg["num_warps"])
         ctx.save_for_backward(qf, kf, wf, sf)
         ctx.shape, ctx.scale = (b, s, H, D, P, n), float(scale)
@@ -170,7 +181,7 @@ class _SelectedPoolScores(torch.autograd.Function):
         if b * s and n:
             sms = torch.cuda.get_device_properties(qf.device).multi_processor_count if qf.is_cuda else 1
             programs = max(1, min(b * s, sms * cfg["bwd_programs_per_sm"]))
-            bh, bn = _block_h(H), cfg["bwd_BLOCK_N"]
+            bh, bn = block_h(H), cfg["bwd_BLOCK_N"]
             scratch = torch.empty(programs, bh, bn, device=qf.device, dtype=torch.float32)
             _selected_pool_scores_bwd_kernel[(programs,)](
                 qf, kf, wf, sf, dout, dq, dk, dw, scratch, b * s, s, P, n, H, ctx.scale, qf.stride(0), qf.stride(1),

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
-from megatron_glm5.models.packing import document_starts
+from megatron_glm5.kernels.documents import document_starts
 
 __all__ = ["HAVE_TRITON", "MAX_TAPS", "SHORT_CONV_CONFIG", "causal_depthwise_conv1d", "short_conv_silu",
            "short_conv_silu_reference"]

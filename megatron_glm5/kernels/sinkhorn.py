@@ -1,5 +1,5 @@
 """mHC weights as Triton kernels: the Sinkhorn-Knopp normalisation alone (:func:`sinkhorn`; the reference is
-``megatron_glm5.models.mhc._sinkhorn``, HF's op order) and the whole map from the mixes to the weights
+:func:`sinkhorn_reference`, HF's op order) and the whole map from the mixes to the weights
 (:func:`mhc_weights`; the reference is ``HyperConnection.weights_from_mixes`` on its PyTorch path), one kernel forward
 and one backward each.
 
@@ -35,9 +35,19 @@ import torch
 
 from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["sinkhorn", "mhc_weights", "HAVE_TRITON"]
+__all__ = ["sinkhorn", "sinkhorn_reference", "mhc_weights", "HAVE_TRITON"]
 
 BLOCK_T = 64
+
+
+def sinkhorn_reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """HF's Sinkhorn-Knopp on the last two dims of ``comb [..., n, n]`` (same shape back): one column
+    normalisation, then ``iters - 1`` times row + column, ``eps`` in every denominator (HF's op order)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
 
 
 if HAVE_TRITON:

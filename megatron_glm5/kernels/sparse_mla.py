@@ -32,19 +32,28 @@ Kernels (one program per query and block of heads; ``BLOCK_N`` selected rows gat
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
 
-from megatron_glm5.kernels.triton_support import HAVE_TRITON, tl, triton
+from megatron_glm5.kernels import triton_support
+from megatron_glm5.kernels.triton_support import (
+    HAVE_TRITON,
+    LOG2E,
+    SMEM_BUDGET,
+    block_h,
+    dot_precision,
+    fit_gather_tiling,
+    tl,
+    triton,
+)
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "prepare_indices", "FWD_CONFIG", "FWD_CONFIG_FP32", "BWD_CONFIG",
            "BWD_CONFIG_FP32", "HAVE_TRITON"]
 
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)
 """Forward tiling: heads per program (capped at the padded head count), selected rows per step, warps, stages
-(16-bit inputs: cut by :func:`_fit_fwd_shared_memory` until q and the staged rows fit :data:`_SMEM_BUDGET`).
+(16-bit inputs: cut by ``triton_support.fit_gather_tiling`` until q and the staged rows fit ``SMEM_BUDGET``).
 Optional in every forward and backward tiling: ``prefetch=1`` gathers the next step's rows into registers before
 this step's products (a load in flight across the step without another shared-memory stage; default 0)."""
 FWD_CONFIG_FP32 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
@@ -61,28 +70,7 @@ scalar atomics."""
 BWD_CONFIG_FP32 = dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1, split=False, vec_red=1)
 """Backward tiling for fp32 inputs: the single fused kernel at 32 heads per program (fp32 q and dO would not fit in
 shared memory at 64 heads)."""
-_SMEM_BUDGET = 200 * 1024
-"""Shared-memory bytes a program may plan for on sm_90 (which allows 227 KiB per block); block sizes are halved
-until the estimate fits, so wider latents than the released 512 still compile. Other devices get
-:func:`device_limits`' budget."""
 
-
-@functools.lru_cache(maxsize=None)
-def device_limits(index: int) -> Tuple[int, bool]:
-    """``(shared-memory budget in bytes, 16-byte vector reductions available)`` of CUDA device ``index``: the
-    sm_90 budget :data:`_SMEM_BUDGET` where the device's opt-in per-block shared memory allows it, else that maximum
-    less 8 KiB (the compiler's own use; A100: 155 KiB, sm_86 / sm_89: 91 KiB); ``red.global.add.v4.f32`` from
-    compute capability 9.0 on (older devices take scalar atomics). With these the kernels compile on any device
-    Triton supports; the execution plan still picks them only on sm_90."""
-    props = torch.cuda.get_device_properties(index)
-    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0) or _SMEM_BUDGET + 8 * 1024
-    return min(_SMEM_BUDGET, optin - 8 * 1024), (props.major, props.minor) >= (9, 0)
-
-
-def _limits(t: torch.Tensor) -> Tuple[int, bool]:
-    return device_limits(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-_LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
@@ -126,50 +114,29 @@ def sparse_mla_reference(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices
 
 # ============================================================================ Triton kernels
 if HAVE_TRITON:
-
-    @triton.jit
-    def _program_query(Q, t, hb, stride_qt, stride_qh, H, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-        """Query row ``t`` (int64), head block ``hb``: head / latent / slot offsets and its ``q [BLOCK_H, R]`` block."""
-        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_r = tl.arange(0, R)
-        offs_nb = tl.arange(0, BLOCK_N)
-        h_ok = offs_h < H
-        q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :], mask=h_ok[:, None],
-                    other=0.0)
-        return t, offs_h, offs_r, offs_nb, h_ok, q
-
-    @triton.jit
-    def _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r):
-        """Rows ``n0 .. n0 + BLOCK_N`` of this query's selection: ``(rows int64, ok, kv [BLOCK_N, R])``."""
-        offs_n = n0 + offs_nb
-        idx = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < n_end, other=-1)
-        ok = idx >= 0
-        rows = idx.to(tl.int64)
-        kv = tl.load(KV + rows[:, None] * stride_kvt + offs_r[None, :], mask=ok[:, None], other=0.0)
-        return rows, ok, kv
+    from megatron_glm5.kernels.triton_support import gather_selected, program_query
 
     @triton.jit
     def _sparse_mla_fwd_kernel(Q, KV, IDX, NEND, O, LSE, qk_scale,
                                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, H,
                                R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                PREC: tl.constexpr, PREFETCH: tl.constexpr):
-        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
+        t, offs_h, offs_r, offs_nb, h_ok, q = program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
                                                              stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         n_end = tl.load(NEND + tl.program_id(0))
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, R], tl.float32)
         if PREFETCH:
-            rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
+            rows_next, ok_next, kv_next = gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
                                                            offs_r)
         for n0 in range(0, n_end, BLOCK_N):
             if PREFETCH:
                 rows, ok, kv = rows_next, ok_next, kv_next
-                rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
+                rows_next, ok_next, kv_next = gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
                                                                n_end, offs_nb, offs_r)
             else:
-                rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+                rows, ok, kv = gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
             s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -235,7 +202,7 @@ if HAVE_TRITON:
                                PREC: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DKV: tl.constexpr,
                                VEC_RED: tl.constexpr, PREFETCH: tl.constexpr):
         # O and DQ share one layout (stride_ot, stride_oh); Q and DO have their own; DKV is fp32 [T, R] contiguous.
-        t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
+        t, offs_h, offs_r, offs_nb, h_ok, q = program_query(Q, tl.program_id(0).to(tl.int64), tl.program_id(1),
                                                              stride_qt, stride_qh, H, R, BLOCK_H, BLOCK_N)
         o_off = t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
         do = tl.load(DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_r[None, :], mask=h_ok[:, None],
@@ -246,15 +213,15 @@ if HAVE_TRITON:
         n_end = tl.load(NEND + tl.program_id(0))
         dq = tl.zeros([BLOCK_H, R], tl.float32)
         if PREFETCH:
-            rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
+            rows_next, ok_next, kv_next = gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
                                                            offs_r)
         for n0 in range(0, n_end, BLOCK_N):
             if PREFETCH:
                 rows, ok, kv = rows_next, ok_next, kv_next
-                rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
+                rows_next, ok_next, kv_next = gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
                                                                n_end, offs_nb, offs_r)
             else:
-                rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+                rows, ok, kv = gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
             p, ds = _recompute_p_ds(q, do, kv, ok, lse, delta, qk_scale, PREC)
             if COMPUTE_DQ:
                 dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PREC)
@@ -285,7 +252,7 @@ if HAVE_TRITON:
         offs_s = tl.arange(0, BLOCK_H)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         for work in range(pid, T * N_HBLOCKS, tl.num_programs(0)):
             t = (work // N_HBLOCKS).to(tl.int64)
-            t, offs_h, offs_r, offs_nb, h_ok, q = _program_query(Q, t, work % N_HBLOCKS, stride_qt, stride_qh, H, R,
+            t, offs_h, offs_r, offs_nb, h_ok, q = program_query(Q, t, work % N_HBLOCKS, stride_qt, stride_qh, H, R,
                                                                  BLOCK_H, BLOCK_N)
             o_off = t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
             do = tl.load(DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_r[None, :], mask=h_ok[:, None],
@@ -295,15 +262,15 @@ if HAVE_TRITON:
             lse = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf"))
             n_end = tl.load(NEND + t)
             if PREFETCH:
-                rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
+                rows_next, ok_next, kv_next = gather_selected(IDX, KV, t, stride_it, stride_kvt, 0, n_end, offs_nb,
                                                                offs_r)
             for n0 in range(0, n_end, BLOCK_N):
                 if PREFETCH:
                     rows, ok, kv = rows_next, ok_next, kv_next
-                    rows_next, ok_next, kv_next = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
+                    rows_next, ok_next, kv_next = gather_selected(IDX, KV, t, stride_it, stride_kvt, n0 + BLOCK_N,
                                                                    n_end, offs_nb, offs_r)
                 else:
-                    rows, ok, kv = _gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
+                    rows, ok, kv = gather_selected(IDX, KV, t, stride_it, stride_kvt, n0, n_end, offs_nb, offs_r)
                 p, ds = _recompute_p_ds(q, do, kv, ok, lse, delta, qk_scale, PREC)
                 tl.store(scr + offs_s, p.to(SCRATCH.dtype.element_ty))
                 tl.store(scr + BLOCK_H * BLOCK_N + offs_s, (ds * sm_scale).to(SCRATCH.dtype.element_ty))
@@ -316,56 +283,26 @@ if HAVE_TRITON:
                 tl.atomic_add(DKV + rows[None, :] * R + offs_r[:, None], dkv_t, mask=ok[None, :], sem="relaxed")
 
 
-def _block_h(H: int, cap: int = 0) -> int:
-    """Heads per program: ``H`` padded to a power of two (at least 16, the matrix product's smallest tile), at most
-    ``cap`` (0: no cap)."""
-    padded = triton.next_power_of_2(H)
-    return max(16, min(int(cap), padded) if cap else padded)
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, n_end: torch.Tensor,
                     scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """``q [T, H, R]``, ``kv [T, R]``, ``idx [T, W]`` int32 (flat rows, ``-1`` unused), ``n_end [T]`` int32
     -> ``(o [T, H, R], lse [T, H] fp32, log2 units)``."""
     T, H, R = q.shape
-    cfg = _fit_fwd_shared_memory(FWD_CONFIG, R, _limits(q)[0]) if q.element_size() == 2 else FWD_CONFIG_FP32
-    bh = _block_h(H, cfg["BLOCK_H"])
+    half = q.element_size() == 2
+    cfg = fit_gather_tiling(FWD_CONFIG, R, triton_support.tensor_limits(q)[0]) if half else FWD_CONFIG_FP32
+    bh = block_h(H, cfg["BLOCK_H"])
     o = torch.empty_like(q)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
     grid = (T, triton.cdiv(H, bh))
     _sparse_mla_fwd_kernel[grid](
-        q, kv, idx, n_end, o, lse, scale * _LOG2E,
+        q, kv, idx, n_end, o, lse, scale * LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), H,
-        R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype), PREFETCH=int(cfg.get("prefetch", 0)),
+        R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), PREFETCH=int(cfg.get("prefetch", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
 
-def _fit_fwd_shared_memory(cfg: dict, R: int, budget: int = _SMEM_BUDGET) -> dict:
-    """Forward tiling cut until q ``[BLOCK_H, R]`` and ``num_stages`` buffers of gathered rows ``[BLOCK_N, R]``
-    (16-bit) fit ``budget`` bytes: ``BLOCK_N`` halved down to 32, then fewer stages, then ``BLOCK_N`` down to 16,
-    then ``BLOCK_H`` halved."""
-    t = dict(cfg)
-
-    def need():
-        return (t["BLOCK_H"] + t["num_stages"] * t["BLOCK_N"]) * R * 2
-
-    while need() > budget and t["BLOCK_N"] > 32:
-        t["BLOCK_N"] //= 2
-    while need() > budget and t["num_stages"] > 1:
-        t["num_stages"] -= 1
-    while need() > budget and t["BLOCK_N"] > 16:
-        t["BLOCK_N"] //= 2
-    while need() > budget and t["BLOCK_H"] > 16:
-        t["BLOCK_H"] //= 2
-    return t
-
-
-def _bwd_passes(cfg: dict, passes=None, R: int = 0, budget: int = _SMEM_BUDGET):
+def _bwd_passes(cfg: dict, passes=None, R: int = 0, budget: int = SMEM_BUDGET):
     """Kernel launches of the backward for a :data:`BWD_CONFIG`: ``[(compute_dq, compute_dkv, tiling)]``.
 
     ``split`` runs dq and dkv as two launches whose tilings may differ (optional ``dq`` / ``dkv`` sub-dicts
@@ -386,7 +323,7 @@ def _bwd_passes(cfg: dict, passes=None, R: int = 0, budget: int = _SMEM_BUDGET):
     return out
 
 
-def _fit_shared_memory(tiling: dict, fused: bool, R: int, budget: int = _SMEM_BUDGET) -> dict:
+def _fit_shared_memory(tiling: dict, fused: bool, R: int, budget: int = SMEM_BUDGET) -> dict:
     """``tiling`` with ``BLOCK_N``, then ``BLOCK_H``, halved until the staged operands fit: q and dO
     ``[BLOCK_H, R]`` (twice each in the fused kernel, which also needs their transposed copies) and the gathered rows
     ``[BLOCK_N, R]``."""
@@ -414,10 +351,10 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
     dq = torch.empty_like(o)
     dkv = torch.zeros(kv.shape[0], R, device=kv.device, dtype=torch.float32)
     half = q.element_size() == 2               # fp32 products run without tensor cores (ieee): no staging to fit
-    budget, vec_ok = _limits(q)
+    budget, vec_ok = triton_support.tensor_limits(q)
     for compute_dq, compute_dkv, cfg in _bwd_passes(BWD_CONFIG if half else BWD_CONFIG_FP32, passes,
                                                     R if half else 0, budget):
-        bh = _block_h(H, cfg["BLOCK_H"])
+        bh = block_h(H, cfg["BLOCK_H"])
         n_hblocks = triton.cdiv(H, bh)
         if cfg.get("form") == "dkv_t":
             programs = cfg.get("programs") or (torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -425,15 +362,15 @@ def _sparse_mla_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, o: torc
             programs = max(1, min(T * n_hblocks, int(programs)))
             scratch = torch.empty(programs, 2, bh, cfg["BLOCK_N"], device=q.device, dtype=q.dtype)
             _sparse_mla_bwd_dkv_t_kernel[(programs,)](
-                q, kv, o, do, lse, idx, n_end, dkv, scratch, scale * _LOG2E, scale,
+                q, kv, o, do, lse, idx, n_end, dkv, scratch, scale * LOG2E, scale,
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), do.stride(0),
-                do.stride(1), T, H, n_hblocks, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+                do.stride(1), T, H, n_hblocks, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype),
                 PREFETCH=int(cfg.get("prefetch", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             continue
         _sparse_mla_bwd_kernel[(T, n_hblocks)](
-            q, kv, o, do, lse, idx, n_end, dq, dkv, scale * _LOG2E, scale,
+            q, kv, o, do, lse, idx, n_end, dq, dkv, scale * LOG2E, scale,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), do.stride(0),
-            do.stride(1), H, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+            do.stride(1), H, R=R, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype),
             COMPUTE_DQ=compute_dq, COMPUTE_DKV=compute_dkv, VEC_RED=int(cfg.get("vec_red", 0)) if R % 4 == 0 and vec_ok else 0,
             PREFETCH=int(cfg.get("prefetch", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq.to(q.dtype), dkv.to(kv.dtype)

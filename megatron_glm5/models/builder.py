@@ -60,7 +60,7 @@ def build_model_chunks(config: Glm5Config, parallel_output: bool = True, for_tra
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_glm5.models.parallel_layout import check_parallel_layout
+    from megatron_glm5.config.parallelism import check_parallel_layout
 
     check_parallel_layout(config, for_training=for_training)
     vpp = config.virtual_pipeline_model_parallel_size

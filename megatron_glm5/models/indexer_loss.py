@@ -46,7 +46,7 @@ from megatron.core.transformer.experimental_attention_variant import dsa_indexer
 
 from megatron_glm5.kernels import pool_mass, selected_pool_scores
 from megatron_glm5.kernels.indexer_scores import indexer_scores_reference
-from megatron_glm5.models.packing import document_ids
+from megatron_glm5.kernels.documents import document_ids
 
 __all__ = ["dense_pool_mass", "kpool_indexer_kl", "kpool_indexer_kl_reference", "indexer_loss_value", "indexer_loss_slot"]
 
@@ -66,17 +66,6 @@ def _kl_rows(target_mass: torch.Tensor, logits: torch.Tensor, valid: torch.Tenso
     log_probs = dsa_masking.masked_log_softmax(logits.float(), valid)
     kl = dsa_indexer_loss.indexer_kl_per_row(target, log_probs, valid)     # 0 on rows without a candidate
     return kl.sum(), valid.any(-1).sum()
-
-
-def _pool_scores_of(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor, pools: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Indexer scores of per-query pool lists: ``q [b, c, H, D]``, ``pool_keys [b, P, D]``, ``weights [b, c, H]``,
-    ``pools [b, c, n]`` (valid pool numbers) -> ``[b, c, n]`` fp32 (the math of ``indexer_scores_reference``)."""
-    b, c, n = pools.shape
-    keys = torch.gather(pool_keys.float(), 1, pools.reshape(b, c * n, 1).expand(-1, -1, pool_keys.shape[-1]))
-    keys = keys.view(b, c, n, -1)                                                    # [b, c, n, D]
-    per_head = torch.relu(torch.einsum("bchd,bcnd->bchn", q.float(), keys) * scale)  # [b, c, H, n]
-    return torch.einsum("bch,bchn->bcn", weights.float(), per_head)
 
 
 def _real_rows(feats, a: int, e: int, row_length: Optional[int]) -> torch.Tensor:
@@ -140,12 +129,13 @@ def kpool_indexer_kl(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scal
         chunk = max(1, chunk_elements // max(1, b * Hl * topk_indices.shape[-1]))
         for a in range(0, s, chunk):
             e = min(s, a + chunk)
-            mass = _sparse_pool_mass(q_lat[:, a:e], kv_lat, topk_indices[:, a:e], attn_scale, kpool, n_sel,
-                                     None if lse is None else lse[:, a:e], tp_group)
+            mass = _tp_sum(pool_mass.sparse_pool_mass_reference(q_lat[:, a:e], kv_lat, topk_indices[:, a:e],
+                                                                attn_scale, kpool, n_sel,
+                                                                None if lse is None else lse[:, a:e]), tp_group)
             sel = feats.selected_pools[:, a:e]
             valid = (sel >= 0) & _real_rows(feats, a, e, row_length)[None, :, None]
-            logits = _pool_scores_of(feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e], sel.clamp(min=0),
-                                     index_scale)
+            logits = selected_pool_scores.selected_pool_scores_reference(
+                feats.q[:, a:e], feats.pool_keys, feats.weights[:, a:e], sel.clamp(min=0), index_scale)
             kl, rows = _kl_rows(mass, logits, valid)
             kl_total, rows_total = kl_total + kl, rows_total + rows
         return kl_total, rows_total
@@ -181,26 +171,6 @@ def _use_kernels(fused: Optional[bool], q_lat: torch.Tensor, kpool: int) -> bool
     if fused is None:
         return q_lat.is_cuda and pool_mass.supported(kpool, q_lat.shape[-1])
     return bool(fused)
-
-
-def _sparse_pool_mass(q_lat: torch.Tensor, kv_lat: torch.Tensor, topk_indices: torch.Tensor, attn_scale: float,
-                      kpool: int, n_sel: int, lse: Optional[torch.Tensor], tp_group) -> torch.Tensor:
-    """The sparse attention's probability per selected pool, summed over all heads (PyTorch; the reference of
-    :func:`~megatron_glm5.kernels.pool_mass.sparse_pool_mass`): ``q_lat [b, c, Hl, r]``, ``kv_lat [b, S, r]``,
-    ``topk_indices [b, c, w]`` (the indexer's order: pools first), ``lse [b, c, Hl]`` or ``None`` (a softmax over
-    the recomputed scores of the valid slots) -> ``[b, c, n_sel]`` fp32."""
-    b, c, width = topk_indices.shape
-    idx = topk_indices.long()                                                       # [b, c, w]
-    tok_valid = idx >= 0
-    kv_sel = torch.gather(kv_lat, 1, idx.clamp(min=0).reshape(b, c * width, 1)
-                          .expand(-1, -1, kv_lat.shape[-1])).view(b, c, width, -1)
-    scores = torch.einsum("bchr,bcwr->bchw", q_lat.float(), kv_sel.float()) * attn_scale
-    if lse is None:
-        probs = dsa_masking.masked_softmax(scores, tok_valid[:, :, None].expand_as(scores))
-    else:
-        probs = torch.exp(scores - lse[:, :, :, None].float()).masked_fill(~tok_valid[:, :, None], 0.0)
-    mass = _tp_sum(probs.sum(2), tp_group)                                          # [b, c, w]
-    return mass[..., : n_sel * kpool].reshape(b, c, n_sel, kpool).sum(-1)          # [b, c, n_sel]
 
 
 def dense_pool_mass(feats, q_lat: torch.Tensor, kv_lat: torch.Tensor, attn_scale: float, a: int, e: int, lo: int,

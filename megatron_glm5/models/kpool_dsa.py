@@ -547,7 +547,7 @@ class Glm5DSAttention(MegatronModule):
         """The warm-up's dense attention: every query attends to every position of its document up to and including
         itself (the whole row under CP). ``q [s, b, Hl, dq]``, ``kv_lat [t, b, r]`` -> ``[s, b, Hl, dv]``."""
         from megatron_glm5.models.context_parallel import sequence_layout
-        from megatron_glm5.models.packing import document_ids
+        from megatron_glm5.kernels.documents import document_ids
 
         s = q.shape[0]
         layout = sequence_layout(packed_seq_params, s, q.device, self.cp_group)

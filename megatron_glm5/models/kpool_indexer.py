@@ -52,7 +52,8 @@ from megatron_glm5.execution_plan import plan_of
 from megatron_glm5.kernels import indexer_scores
 from megatron_glm5.models.context_parallel import cp_group_of, gather_sequence, sequence_layout
 from megatron_glm5.models.linear import ReplicatedLinear
-from megatron_glm5.models.packing import document_ids, document_starts, row_boundaries, to_device_async
+from megatron_glm5.kernels.documents import document_ids, document_starts
+from megatron_glm5.models.packing import row_boundaries, to_device_async
 from megatron_glm5.models.params import mark_replicated, param_device
 
 __all__ = ["KPoolFeatures", "KPoolIndexer", "kpool_pool_layout", "kpool_tail_indices"]

@@ -80,10 +80,10 @@ def get_decoder_layer_specs(config: Glm5Config) -> List[ModuleSpec]:
 def get_stage_layer_range(config: Glm5Config, vp_stage: Optional[int] = None,
                           pp_rank: Optional[int] = None) -> range:
     """Global 0-based indices of the decoder layers the PP stage ``pp_rank`` (default: this process's) and virtual
-    stage ``vp_stage`` builds (uneven stages, layouts and virtual stages: :mod:`megatron_glm5.models.parallel_layout`)."""
+    stage ``vp_stage`` builds (uneven stages, layouts and virtual stages: :mod:`megatron_glm5.config.parallelism`)."""
     from megatron.core import parallel_state
 
-    from megatron_glm5.models.parallel_layout import stage_layer_ranges
+    from megatron_glm5.config.parallelism import stage_layer_ranges
 
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank() if config.pipeline_model_parallel_size > 1 else 0

@@ -41,6 +41,7 @@ from torch import nn
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_glm5.execution_plan import plan_of
+from megatron_glm5.kernels.sinkhorn import sinkhorn_reference
 from megatron_glm5.models.sharding import replicated_sharded_state_dict
 
 __all__ = [
@@ -74,15 +75,6 @@ def contract_streams(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- Sinkhorn
-def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    # one column normalisation, then (iters - 1) x (row, column); eps in every denominator (HF order).
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
 class _SinkhornRecompute(torch.autograd.Function):
     """Sinkhorn normalisation that saves only its input and re-runs the iterations in backward.
 
@@ -95,14 +87,14 @@ class _SinkhornRecompute(torch.autograd.Function):
         ctx.iters, ctx.eps = iters, eps
         ctx.save_for_backward(comb)
         with torch.no_grad():
-            return _sinkhorn(comb, iters, eps)
+            return sinkhorn_reference(comb, iters, eps)
 
     @staticmethod
     def backward(ctx, grad_out):
         (comb,) = ctx.saved_tensors
         with torch.enable_grad():
             x = comb.detach().requires_grad_(True)
-            y = _sinkhorn(x, ctx.iters, ctx.eps)
+            y = sinkhorn_reference(x, ctx.iters, ctx.eps)
             (grad_in,) = torch.autograd.grad(y, x, grad_out)
         return grad_in, None, None
 
@@ -120,7 +112,7 @@ def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, recompute: bo
         return sinkhorn.sinkhorn(comb, iters, eps)
     if recompute and torch.is_grad_enabled() and comb.requires_grad:
         return _SinkhornRecompute.apply(comb, iters, eps)
-    return _sinkhorn(comb, iters, eps)
+    return sinkhorn_reference(comb, iters, eps)
 
 
 # ----------------------------------------------------------------------------------------------- module

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.enums import ModelType
@@ -74,7 +74,7 @@ class Glm5Decoder(TransformerBlock):
 
     def __init__(self, config: Glm5Config, vp_stage: Optional[int] = None, pg_collection=None,
                  pre_process: bool = True, post_process: bool = True):
-        from megatron_glm5.models.parallel_layout import check_shared_indexers
+        from megatron_glm5.config.parallelism import check_shared_indexers
 
         layer_range = get_stage_layer_range(config, vp_stage)
         check_shared_indexers(config, layer_range, "this pipeline stage")
@@ -116,7 +116,8 @@ class Glm5Model(LanguageModule):
         pre_process: this stage holds the embedding and the vision tower (first stage).
         post_process: this stage holds the final norm, the output layer, the loss and the MTP block (last stage).
         vp_stage: virtual pipeline stage of this model chunk (None without virtual stages).
-        pg_collection: process groups (default: megatron's global ones).
+        pg_collection: process groups (default: megatron's global ones); the model reads TP, CP and DP x CP (the MTP
+            loss's logging) from it.
         parallel_output: keep logits split over the vocabulary (TP) when no labels are given.
         max_sequence_length: informational (the LM has no position embedding).
     """
@@ -300,7 +301,7 @@ class Glm5Model(LanguageModule):
         hidden = chunks[0]
         if loss_mask is None:
             loss_mask = (labels != -100).float() if labels.dtype != torch.bool else labels.float()
-        cp_group = parallel_state.get_context_parallel_group()
+        cp_group = self.pg_collection.cp
         mtp_labels = labels
         for depth in range(self.config.mtp_num_layers):
             # contiguous CP chunks: shifts and loss cross chunk edges (models/context_parallel.py)
@@ -320,7 +321,7 @@ class Glm5Model(LanguageModule):
                                                                 None, self.tp_group)
                 MTPLossLoggingHelper.save_metrics_to_tracker(
                     self.last_mtp_loss, correct, total, depth, self.config.mtp_num_layers,
-                    avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+                    avg_group=self.pg_collection.dp_cp)
             hidden = MTPLossAutoScaler.apply(hidden, scale * mtp_objective)
         return hidden
 

@@ -1,7 +1,8 @@
 """Document boundaries of a packed row: the one source of truth is megatron-core's ``PackedSeqParams``.
 
 A packed row is ``b = 1`` with ``packed_seq_params.cu_seqlens_q`` (int32, ``[n_docs + 1]``, starting at 0 and ending
-at the row length). Without packing every batch row is one document.
+at the row length). Without packing every batch row is one document. The per-position document index and start
+of a row's ``cu_seqlens`` are :mod:`megatron_glm5.kernels.documents`' (the kernels read them too).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import List, Optional, Tuple
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_glm5.kernels.documents import document_starts
 
 
 _CHECKED_ATTR = "_glm5_checked_row"
@@ -109,17 +112,6 @@ def row_boundaries(packed_seq_params: Optional[PackedSeqParams], seq_len: int) -
     if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
         return [0, seq_len]
     return list(_checked_row(packed_seq_params, seq_len)[0])
-
-
-def document_ids(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len] int64: the 0-based document index of every position."""
-    pos = torch.arange(seq_len, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:].long(), pos, right=True)
-
-
-def document_starts(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len] int64: the row position where each position's document starts."""
-    return cu_seqlens.long()[document_ids(cu_seqlens, seq_len)]
 
 
 def make_packed_seq_params(cu_seqlens: torch.Tensor) -> PackedSeqParams:

@@ -194,17 +194,29 @@ def check_split(split: Optional[str], train: bool) -> None:
 def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM ``extra_args_provider``: the GLM-5.3 flags, and the defaults this model needs where Megatron-LM's
     would pick a path it does not have (no Transformer Engine layers; gloo without CUDA)."""
+    import torch
+
+    add_glm5_flags(parser)
+    machine = machine_defaults(torch.cuda.is_available())
+    parser.set_defaults(**{k: v for k, v in machine.items() if _has_dest(parser, k)})
+    return parser
+
+
+def add_glm5_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The GLM-5.3 flags and this model's defaults for Megatron-LM's flags (:data:`GLM5_DEFAULTS`), without the
+    machine's (:func:`machine_defaults`)."""
     from megatron_glm5.config import DSA_BACKENDS, KDA_BACKENDS, MOE_EXPERTS_BACKENDS
 
     g = parser.add_argument_group("GLM-5.3 model")
     g.add_argument("--hf-config", help="HF checkpoint dir or config.json giving the architecture")
     g.add_argument("--model-preset", choices=MODEL_PRESETS, help="built-in architecture instead of --hf-config")
     g.add_argument("--kda-backend", choices=KDA_BACKENDS,
-                   help="KDA kernel (default: fla_fused on CUDA with flash-linear-attention, torch otherwise)")
+                   help="KDA kernel (default, the execution plan's: fla_fused on CUDA with flash-linear-attention in bf16, "
+                        "torch otherwise, fp32 included)")
     g.add_argument("--dsa-backend", choices=DSA_BACKENDS,
                    help="sparse-attention kernel (default: fused on CUDA with triton, torch otherwise)")
     g.add_argument("--moe-experts-backend", choices=MOE_EXPERTS_BACKENDS,
-                   help="routed experts (default: grouped on CUDA, sequential on CPU)")
+                   help="routed experts (default: grouped on CUDA in bf16, sequential otherwise)")
     g.add_argument("--moe-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="run the MoE layers as replayed CUDA graphs where eligible (default: on with CUDA; they "
                         "run eagerly under EP/TP/CP > 1, the global aux loss, sinkhorn routing, token dropping or recompute)")
@@ -260,23 +272,26 @@ def add_glm5_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--no-fused-optimizer-step", dest="fused_optimizer_step", action="store_false",
                    help="keep megatron-core's optimizer step (clip, Adam, copy to the model weights)")
 
-    import torch
-
-    # this model's layers are megatron-core's local modules and its own (no Transformer Engine spec) and carry no
-    # position embedding (KDA, NoPE sparse attention); a non-finite step is skipped and counted (megatron_hooks), not
-    # handed to the rerun state machine unless asked; with CUDA torch's fused Adam runs, without it the process
-    # groups are gloo's and CUDA-only fusions are off (gradient-accumulation fusion is not one: megatron_glm5's
-    # mcore_extensions runs it on CPU tensors too, so the CPU runs take the GPU's gradient path)
-    defaults = dict(transformer_impl="local", position_embedding_type="none", check_for_nan_in_loss_and_grad=False)
-    if torch.cuda.is_available():
-        defaults.update(torch_fused_adam=True, fused_optimizer_step=True)
-    else:
-        defaults.update(distributed_backend="gloo", bias_gelu_fusion=False,
-                        bias_swiglu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-                        persist_layer_norm=False, apply_rope_fusion=False, cross_entropy_loss_fusion=False,
-                        attention_backend=_attention_backend("unfused"))
-    parser.set_defaults(**{k: v for k, v in defaults.items() if _has_dest(parser, k)})
+    parser.set_defaults(**{k: v for k, v in GLM5_DEFAULTS.items() if _has_dest(parser, k)})
     return parser
+
+
+# this model's layers are megatron-core's local modules and its own (no Transformer Engine spec) and carry no position
+# embedding (KDA, NoPE sparse attention); a non-finite step is skipped and counted (megatron_hooks), not handed to the
+# rerun state machine unless asked
+GLM5_DEFAULTS = dict(transformer_impl="local", position_embedding_type="none", check_for_nan_in_loss_and_grad=False)
+
+
+def machine_defaults(cuda: bool) -> dict:
+    """The defaults that depend on the machine: with CUDA torch's fused Adam runs, without it the process groups are
+    gloo's and CUDA-only fusions are off (gradient-accumulation fusion is not one: megatron_glm5's mcore_extensions
+    runs it on CPU tensors too, so the CPU runs take the GPU's gradient path)."""
+    if cuda:
+        return dict(torch_fused_adam=True, fused_optimizer_step=True)
+    return dict(distributed_backend="gloo", bias_gelu_fusion=False, bias_swiglu_fusion=False,
+                bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+                apply_rope_fusion=False, cross_entropy_loss_fusion=False,
+                attention_backend=_attention_backend("unfused"))
 
 
 def _attention_backend(name: str):
@@ -325,10 +340,9 @@ def hf_config_dict(hf_config: Optional[str], model_preset: Optional[str], num_la
     return hf
 
 
-def _architecture(argv: List[str]):
-    """(HF config dict, Glm5Config of the bare architecture) of the flags in ``argv``."""
-    from megatron_glm5.config import Glm5Config, Glm5ConfigError
-
+def check_architecture_flags(argv: List[str]) -> argparse.Namespace:
+    """The flags that name the architecture (:func:`_preparse`), checked without reading the config (no torch);
+    raises :class:`ArgumentError`."""
     pre = _preparse(argv)
     _require(bool(pre.hf_config) != bool(pre.model_preset), "--hf-config",
              "give exactly one of --hf-config DIR and --model-preset")
@@ -337,6 +351,14 @@ def _architecture(argv: List[str]):
         _require(os.path.isfile(path), "--hf-config", f"no config.json at {pre.hf_config}")
     if pre.num_layers is not None:
         _require(pre.num_layers >= 1, "--num-layers", "must be >= 1")
+    return pre
+
+
+def _architecture(argv: List[str]):
+    """(HF config dict, Glm5Config of the bare architecture) of the flags in ``argv``."""
+    from megatron_glm5.config import Glm5Config, Glm5ConfigError
+
+    pre = check_architecture_flags(argv)
     try:
         hf = hf_config_dict(pre.hf_config, pre.model_preset, pre.num_layers)
         return hf, Glm5Config.from_hf(hf, use_cpu_initialization=True)
@@ -442,6 +464,9 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
         if _is_number(w):
             _require(math.isfinite(float(w)) and float(w) > 0, "--data-path",
                      f"a weight must be a finite number > 0 (got {w})")
+    weights = [w for w in (args.data_path or []) if _is_number(w)]
+    _require(math.isfinite(sum(float(w) for w in weights)), "--data-path",  # megatron-core divides by the sum
+             f"the weights sum to more than a float holds ({' '.join(weights)})")
     check_split(args.split, train=bool(files))
     _require(args.mock_data or files, "--data-path", "give --data-path or --mock-data")
     _require(not (args.mock_data and files), "--mock-data", "give either --mock-data or --data-path, not both")
@@ -509,7 +534,7 @@ def _check_indexer_training(args: argparse.Namespace) -> None:
     if args.dsa_indexer_warmup:
         _require((coeff or 0) > 0, "--dsa-indexer-warmup",
                  "needs --dsa-indexer-loss-coeff > 0 (the warm-up trains the indexers by their loss alone)")
-        from megatron_glm5.checkpoint.megatron_layout import start_iteration
+        from megatron_glm5.checkpoint.tracker import start_iteration
 
         args.dsa_indexer_warmup_stage = start_iteration(args) < args.dsa_indexer_warmup
         if args.dsa_indexer_warmup_stage:
@@ -525,7 +550,7 @@ def _check_warmup_stages(args: argparse.Namespace, config) -> None:
     if not getattr(args, "dsa_indexer_warmup_stage", False) or config.pipeline_model_parallel_size == 1:
         return
     from megatron_glm5.config import INDEXED_ATTENTION
-    from megatron_glm5.models.parallel_layout import mtp_on_stage, stage_layer_ranges
+    from megatron_glm5.config.parallelism import mtp_on_stage, stage_layer_ranges
 
     mtp_dsa = (config.hf_text_config.get("mtp_layer_types") or [INDEXED_ATTENTION])[0] == INDEXED_ATTENTION
     for (rank, vp), layers in sorted(stage_layer_ranges(config).items()):
@@ -573,6 +598,55 @@ def _argv(argv: List[str], prog: str):
         sys.argv = saved
 
 
+def escape_help_percents(parser: argparse.ArgumentParser, prog: str) -> None:
+    """A literal '%' in a Megatron-LM help text makes --help raise: escaped as '%%'."""
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                action.help % dict(vars(action), prog=prog)
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
+
+
+def read_enum_choices_by_name(parser: argparse.ArgumentParser) -> None:
+    """A flag whose choices are an enum's members reads its value by member name
+    (``megatron.training.argument_utils``): a value that names no member is argparse's invalid-choice error, not a
+    KeyError traceback."""
+    import enum
+
+    for action in parser._actions:
+        if action.type is not None and action.choices and all(isinstance(c, enum.Enum) for c in action.choices):
+            action.type = _member_by_name(action.type, [c.name for c in action.choices])
+
+
+def _member_by_name(read, names: List[str]):
+    def read_member(text: str):
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, names))})")
+        return read(text)
+
+    return read_member
+
+
+_UNRECOGNIZED = "unrecognized arguments: "
+
+
+def suggest_flag(message: str, options) -> str:
+    """argparse's error ``message``, an unknown flag followed by the closest of ``options`` (the parser's option
+    strings): 'unrecognized arguments: --lr-decay-stlye cosine (did you mean --lr-decay-style?)'."""
+    import difflib
+
+    if not message.startswith(_UNRECOGNIZED):
+        return message
+    for token in message[len(_UNRECOGNIZED):].split():
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, [o for o in options if o.startswith("--")], n=1, cutoff=0.75)
+            if close:
+                return f"{message} (did you mean {close[0]}?)"
+    return message
+
+
 def _one_line_parser_errors(prog: str):
     """The extra-args provider, with the parser's own errors (unknown flag, bad choice or type) as one line; the
     parser it was given is kept as ``provider.parser``."""
@@ -580,13 +654,9 @@ def _one_line_parser_errors(prog: str):
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         provider.parser = parser
         parser.prog = prog
-        parser.error = lambda message: fail(message, prog)
-        for action in parser._actions:  # a literal '%' in a Megatron-LM help text makes --help raise
-            if action.help and "%" in action.help:
-                try:
-                    action.help % dict(vars(action), prog=prog)
-                except (ValueError, TypeError, KeyError):
-                    action.help = action.help.replace("%", "%%")
+        parser.error = lambda message: fail(suggest_flag(message, parser._option_string_actions), prog)
+        escape_help_percents(parser, prog)
+        read_enum_choices_by_name(parser)
         return add_glm5_arguments(parser)
 
     return provider
@@ -658,6 +728,12 @@ def check_unsupported_features(args: argparse.Namespace) -> None:
              "which the MoE layers need under tensor parallelism)")
 
 
+def check_precision(args: argparse.Namespace) -> None:
+    """The model config carries bf16 or fp32 only (megatron-core's Float16Module refused an fp16 model with a
+    traceback)."""
+    _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
+
+
 # config fields that a message may name, and the flags that set them
 _FIELD_FLAGS = {
     "num_layers_in_first_pipeline_stage": "--decoder-first-pipeline-num-layers",
@@ -697,6 +773,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
     from megatron.training.arguments import validate_args
     from megatron.training.global_vars import _build_tokenizer, set_global_variables, unset_global_variables
 
+    from megatron_glm5.training.model_args import deferred_args_dump, print_args, set_args_as_built
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         with _argv(argv, prog):
@@ -729,11 +807,14 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
         _check_warmup_stages(args, model_config)
         with contextlib.redirect_stdout(megatron_noise):
             # (only the defaults a flag overrides: Megatron-LM warns about every default already set, equal or not)
-            validate_args(args, {k: v for k, v in defaults.items() if getattr(args, k, None) != v})
+            with deferred_args_dump():  # printed below, once the arguments are set as the model is built
+                validate_args(args, {k: v for k, v in defaults.items() if getattr(args, k, None) != v})
             # after Megatron-LM's own checks (--fp16 with --bf16 is theirs): the model config carries bf16 or fp32
             # only, and megatron-core's Float16Module refused an fp16 model with a traceback
-            _require(not args.fp16, "--fp16", "this model trains in bf16 (--bf16) or fp32, not fp16")
+            check_precision(args)
             check_flags_reach_the_model(args, model_config, given)
+            set_args_as_built(args, model_config)
+            print_args(args)
             unset_global_variables()  # a second parse in one process (tests) replaces the first
             set_global_variables(args, build_tokenizer=False)
             try:  # Megatron-LM's own tokenizer build, its failure named by the flag
@@ -801,14 +882,16 @@ def check_flags_reach_the_model(args: argparse.Namespace, model_config, given: D
 
 def model_config_from_args(args, device: str):
     """The Glm5Config of this run: architecture from --hf-config / --model-preset, everything else from Megatron-LM's
-    flags."""
+    flags (:func:`model_config_overrides`)."""
+    from megatron_glm5.config import Glm5Config
+
+    return Glm5Config.from_hf(args.hf_config_dict, **model_config_overrides(args, device))
+
+
+def model_config_overrides(args, device: str) -> dict:
+    """The model config fields the flags set, over the architecture's: ``{field: value}``."""
     import torch
 
-    from megatron_glm5.config import Glm5Config
-    from megatron_glm5.execution_plan import default_backends
-
-    hf = args.hf_config_dict
-    backends = default_backends(device)
     overrides = dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -839,12 +922,12 @@ def model_config_from_args(args, device: str):
         mtp_num_layers=args.mtp_num_layers or None,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         init_method_std=args.init_method_std,
-        kda_backend=args.kda_backend or backends["kda_backend"],
-        dsa_backend=args.dsa_backend or backends["dsa_backend"],
-        moe_experts_backend=args.moe_experts_backend or backends["moe_experts_backend"],
-        moe_cuda_graph=backends["moe_cuda_graph"] if args.moe_cuda_graph is None else args.moe_cuda_graph,
-        kda_save_intermediates=(backends.get("kda_save_intermediates", False) if args.kda_save_intermediates is None
-                                else args.kda_save_intermediates),
+        # the backend flags as given: None leaves the choice to the execution plan (resolve_execution_plan)
+        kda_backend=args.kda_backend,
+        dsa_backend=args.dsa_backend,
+        moe_experts_backend=args.moe_experts_backend,
+        moe_cuda_graph=args.moe_cuda_graph,
+        kda_save_intermediates=args.kda_save_intermediates,
     )
     if args.num_layers_per_virtual_pipeline_stage is not None:
         overrides["num_layers_per_virtual_pipeline_stage"] = args.num_layers_per_virtual_pipeline_stage
@@ -854,4 +937,4 @@ def model_config_from_args(args, device: str):
         overrides["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
     if args.decoder_last_pipeline_num_layers is not None:
         overrides["num_layers_in_last_pipeline_stage"] = args.decoder_last_pipeline_num_layers
-    return Glm5Config.from_hf(hf, **overrides)
+    return overrides

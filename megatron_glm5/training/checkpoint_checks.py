@@ -2,7 +2,7 @@
 the file.
 
 Up front (the argument checks, exit 2): Megatron-LM's layout (``latest_checkpointed_iteration.txt`` naming
-``iter_NNNNNNN`` or ``release``, :mod:`megatron_glm5.checkpoint.megatron_layout`); a ``torch_dist`` checkpoint folder
+``iter_NNNNNNN`` or ``release``, :mod:`megatron_glm5.checkpoint.tracker`); a ``torch_dist`` checkpoint folder
 (``metadata.json``, ``.metadata``) with no symbolic links in it (:func:`check_checkpoint_folder`); a checkpoint of
 this run's architecture (the ``hf_config.json`` every checkpoint of this model carries: the converter writes it, and
 so does every save of the trainer, :mod:`megatron_glm5.training.megatron_hooks`); optimizer state this run can
@@ -27,8 +27,8 @@ from typing import Optional
 from megatron_glm5.errors import CheckpointError
 from megatron_glm5.checkpoint.hf_to_mcore import HF_CONFIG_FNAME
 # the tracker logic lives with the checkpoint code; re-exported here for the argument checks
-from megatron_glm5.checkpoint.megatron_layout import TRACKER_FILE as TRACKER  # noqa: F401
-from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, checkpoint_in  # noqa: F401
+from megatron_glm5.checkpoint.tracker import TRACKER_FILE as TRACKER  # noqa: F401
+from megatron_glm5.checkpoint.tracker import CheckpointDirError, checkpoint_in  # noqa: F401
 
 # the HF config fields that change the checkpoint's tensors
 ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "n_routed_experts",

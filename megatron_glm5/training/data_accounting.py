@@ -11,7 +11,6 @@ import sys
 
 import torch
 from megatron.training import get_args
-from megatron.training.global_vars import get_tensorboard_writer
 
 from megatron_glm5.data import DataError
 from megatron_glm5.data.vqa import placeholder_ids
@@ -28,12 +27,27 @@ def data_error_exit(e: Exception):
     raise SystemExit(1)
 
 
-DATA_COUNTS = {"placeholder_tokens_masked": 0, "documents_skipped": 0, "reported": 0, "text_tokens": 0,
-               "image_tokens": 0, "video_tokens": 0, "row_tokens": 0}
+DATA_COUNTS = {"placeholder_tokens_masked": 0, "documents_skipped": 0, "train_documents_skipped": 0, "reported": 0,
+               "text_tokens": 0, "image_tokens": 0, "video_tokens": 0, "row_tokens": 0}
 """Totals of this rank: text tokens that are image/video placeholder ids kept out of the loss, packed documents
-skipped because their image or video could not be read, the text / image / video tokens of the packed documents
-read (``--dataset-type chat``; also TensorBoard ``data/*-tokens``, and ``packing-efficiency`` becomes their sum over
-``row_tokens``, the rows' capacity read so far); ``reported``: the iteration of the last report."""
+skipped because their image or video could not be read (all micro batches, the console line;
+``train_documents_skipped`` those of training micro batches), the text / image / video tokens of the packed
+documents of the training micro batches (``--dataset-type chat``; ``packing-efficiency`` is their sum over
+``row_tokens``, the rows' capacity trained on so far); ``reported``: the iteration of the last console report.
+A training micro batch is one read with gradients enabled: Megatron-LM's ``evaluate`` runs under ``torch.no_grad``,
+so validation and test batches are not counted."""
+
+DATA_TAGS = {"data/text-tokens": "text_tokens", "data/image-tokens": "image_tokens",
+             "data/video-tokens": "video_tokens", "data/documents-skipped": "train_documents_skipped"}
+"""TensorBoard tag -> :data:`DATA_COUNTS` key: this rank's running totals over the training micro batches."""
+
+
+def write_data_counts(writer, iteration: int) -> None:
+    """The :data:`DATA_TAGS` at TensorBoard step ``iteration`` (called once per training step, after its micro
+    batches), when packed rows carry counts."""
+    if writer is not None and DATA_COUNTS["row_tokens"]:
+        for tag, key in DATA_TAGS.items():
+            writer.add_scalar(tag, DATA_COUNTS[key], iteration)
 
 
 def report_data_counts(iteration: int, log_interval: int) -> None:
@@ -64,17 +78,15 @@ def checked_rows(batch: dict, config) -> dict:
     if skipped is not None and int(skipped.sum()) > 0:
         DATA_COUNTS["documents_skipped"] += int(skipped.sum())
         grew = True
+        if torch.is_grad_enabled():
+            DATA_COUNTS["train_documents_skipped"] += int(skipped.sum())
     modality = batch.pop("modality_tokens", None)
-    if modality is not None:
+    if modality is not None and torch.is_grad_enabled():
         for key, n in zip(("text_tokens", "image_tokens", "video_tokens"), modality.reshape(-1, 3).sum(0).tolist()):
             DATA_COUNTS[key] += int(n)
         DATA_COUNTS["row_tokens"] += int(batch["tokens"].numel())
         PACKING_EFFICIENCY[0] = sum(DATA_COUNTS[k] for k in ("text_tokens", "image_tokens", "video_tokens")) \
             / DATA_COUNTS["row_tokens"]
-        writer = get_tensorboard_writer()
-        if writer is not None and iteration % max(args.log_interval, 1) == 0:
-            for key in ("text_tokens", "image_tokens", "video_tokens", "documents_skipped"):
-                writer.add_scalar("data/" + key.replace("_", "-"), DATA_COUNTS[key], iteration)
     vocab = int(config.vocab_size)
     for key in ("tokens", "labels"):
         bad = (batch[key] < 0) | (batch[key] >= vocab)

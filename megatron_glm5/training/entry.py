@@ -16,17 +16,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import warnings
 from typing import Callable, List, Optional
 
 
 def _quiet_megatron() -> None:
-    """megatron-core's import-time and set-up warnings (no Transformer Engine, Apex, ...) are not the user's
-    business; its own logging stays at WARNING for real problems."""
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # data-loader workers
-    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+    """The stack's messages a user cannot act on, hidden by their exact text (:mod:`megatron_glm5.training.quiet`)."""
+    from megatron_glm5.training import quiet
+
+    quiet.install_warnings()
+    quiet.install_logs()
     # a log line that cannot be written (stdout on a full disk) is not a traceback per line: the run's own next
     # write of stdout fails with ENOSPC and ends the run with one line
     logging.raiseExceptions = False
@@ -124,7 +122,7 @@ def _deliver_dropped_interrupt() -> None:
 
 def _last_checkpoint(save: Optional[str]) -> str:
     """'; the last checkpoint (iteration N) in SAVE is intact' when SAVE's tracker names one."""
-    from megatron_glm5.checkpoint.megatron_layout import CheckpointDirError, read_tracker
+    from megatron_glm5.checkpoint.tracker import CheckpointDirError, read_tracker
 
     try:
         folder = read_tracker(save) if save else None
@@ -210,8 +208,11 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
         return 2
     run = {}
     _quiet_threads_after_ctrl_c()
+    finished = False
     try:
-        return _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)
+        code = _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, program_start, run)
+        finished = code == 0
+        return code
     except KeyboardInterrupt:
         return _exit(f"{prog}: interrupted{_last_checkpoint(run.get('save'))}", 130, every_rank_hit_it=True)
     except Exception as e:  # noqa: BLE001 - user errors become one line; anything else is re-raised as it was
@@ -229,6 +230,33 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
 
         last = "" if isinstance(e, SaveGuardError) else _last_checkpoint(run.get("save"))  # --save is not this run's
         return _exit(f"{prog}: error: {_user_message(e)}{last}", code, every_rank_hit_it=isinstance(e, SaveFailed))
+    finally:
+        if not finished:
+            _drop_event_file_without_scalars()
+
+
+def _drop_event_file_without_scalars() -> None:
+    """After a failed run: this process's TensorBoard event file (Megatron-LM's writer, created at start-up) is
+    removed when it holds no scalar (a run that stopped before its first logged iteration: only the arguments
+    text); a file with any scalar is kept. The directory and any other file are left as they are."""
+    import sys
+
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    writer = getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
+    event_writer = getattr(getattr(writer, "file_writer", None), "event_writer", None)
+    path = getattr(event_writer, "_file_name", None)
+    if path is None:
+        return
+    try:
+        writer.close()
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        has_scalars = any(v.HasField("simple_value") or v.metadata.plugin_data.plugin_name == "scalars"
+                          for event in EventFileLoader(path).Load() for v in event.summary.value)
+        if not has_scalars:
+            os.remove(path)
+    except Exception:  # noqa: BLE001 - the run's own error line is what the user reads; the file stays
+        return
 
 
 def _user_message(e: BaseException) -> str:
@@ -258,6 +286,9 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
     """:func:`run_pretrain`'s work; ``run['save']`` is set to ``--save`` once the flags are read."""
     import time
 
+    from megatron_glm5.training.flag_table import check_flags_fast
+
+    check_flags_fast(argv, prog)  # --help and the flag errors that need no torch, from the flag table's snapshot
     _quiet_megatron()
     import torch
 
@@ -272,12 +303,13 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from megatron_glm5.training import flops, megatron_hooks, memory_report
+    from megatron_glm5.training import flops, megatron_hooks, memory_report, moe_load_logging
     from megatron_glm5.training.arguments import parse_args
 
     megatron_hooks.install()
     flops.install()
     memory_report.install()
+    moe_load_logging.install()
     if "RANK" not in os.environ:  # plain `python pretrain_glm5_vlm.py`: a world of one process
         from megatron_glm5.initialize import free_port
 
@@ -285,6 +317,9 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     args = parse_args(argv, prog)
     run["save"] = args.save
+    from megatron_glm5.training import quiet
+
+    quiet.install_logs(args)
     from megatron.training.utils import print_rank_0
 
     if os.environ.get("MEGATRON_GLM5_CHECK_ARGS") == "1":  # the examples' DRY_RUN: the flags only
@@ -296,7 +331,8 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
 
     if args.save:
         megatron_hooks.install_checkpoint_writer_queue()
-    print_rank_0(megatron_hooks.describe() + "; --save: " + ", ".join(save_guard.install()))
+    save_guard.install()
+    print_rank_0(megatron_hooks.describe(["save guards"]))
     if args.test_kill_during_save is not None:
         megatron_hooks.install_test_kill_during_save(args.test_kill_during_save)
     from megatron.training.training import set_startup_timestamps

@@ -23,7 +23,7 @@ __all__ = ["install", "is_stage_switch", "optimizer_state_refusal"]
 def is_stage_switch(args) -> bool:
     """Whether this run resumes the warm-up's last checkpoint in the sparse stage (it starts at iteration
     ``--dsa-indexer-warmup``)."""
-    from megatron_glm5.checkpoint.megatron_layout import start_iteration
+    from megatron_glm5.checkpoint.tracker import start_iteration
 
     n = getattr(args, "dsa_indexer_warmup", 0) or 0
     return n > 0 and bool(args.load) and not args.finetune and start_iteration(args) == n
@@ -57,7 +57,7 @@ def _switching_load(upstream):
         from megatron.training import checkpointing, get_args
         from megatron.training.utils import print_rank_0
 
-        from megatron_glm5.checkpoint.megatron_layout import checkpoint_in
+        from megatron_glm5.checkpoint.tracker import checkpoint_in
 
         args = get_args()
         if optimizer is None or args.no_load_optim or not is_stage_switch(args):

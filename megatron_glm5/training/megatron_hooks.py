@@ -35,7 +35,7 @@
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 _INSTALLED: List[str] = []
 
@@ -402,5 +402,8 @@ def install() -> None:
                           "--torch-fused-adam")
 
 
-def describe() -> str:
-    return "megatron_glm5 hooks into megatron.training: " + ("; ".join(_INSTALLED) or "none")
+def describe(more: Sequence[str] = ()) -> str:
+    """One line naming the installed hooks by their subject (the text of each up to its first ':'; those of
+    ``more`` too), each once, in order; docs/design.md says what each does."""
+    topics = list(dict.fromkeys(h.split(":", 1)[0] for h in list(_INSTALLED) + list(more)))
+    return "megatron_glm5 hooks into megatron.training: " + (", ".join(topics) or "none") + " (docs/design.md)"

@@ -14,7 +14,9 @@ what the run allocated:
   expert-data-parallel ranks for the expert-parallel weights, those with ``allreduce = False``); not estimated for the others.
 
 A frozen weight (``--freeze-vision``) costs its weight only. Activations have no formula for these layers and are not
-estimated; Megatron-LM's ``report_memory`` line that follows gives the measured peak.
+estimated; Megatron-LM's ``report_memory`` line that follows gives the measured peak (on CPU the process's peak
+resident memory, :func:`report_memory_cpu`). Megatron-LM asks for the report after the first two iterations; it is
+printed once.
 """
 
 from __future__ import annotations
@@ -89,20 +91,45 @@ def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verb
     mem = rank_memory(model_chunks(), args.optimizer, bool(args.use_distributed_optimizer),
                       parallel_state.get_data_parallel_world_size(),
                       parallel_state.get_expert_data_parallel_world_size(), getattr(args, "sgd_momentum", 0.0))
-    if verbose:
-        print(f"Number of parameters on this rank in billions: {mem.parameters / 1e9:.4f} (expert-parallel "
-              f"{mem.expert_parallel_parameters / 1e9:.4f}, frozen {mem.frozen_parameters / 1e9:.4f})")
     total = mem.total_bytes / _MB
     state = (f"{mem.optimizer_bytes / _MB:.2f}" if mem.optimizer_bytes is not None
              else f"not estimated for --optimizer {args.optimizer}")
-    print(f"Theoretical memory footprints: weight and optimizer={total:.2f} MB (weights {mem.weight_bytes / _MB:.2f}, "
-          f"gradient buffers {mem.grad_bytes / _MB:.2f}, optimizer state {state}); activations not estimated for "
-          f"this model (the measured peak follows)\n", flush=True)
+    lines = [f"Theoretical memory footprints: weight and optimizer={total:.2f} MB (weights {mem.weight_bytes / _MB:.2f}, "
+             f"gradient buffers {mem.grad_bytes / _MB:.2f}, optimizer state {state}); activations not estimated for "
+             f"this model (the measured peak follows)"]
+    if verbose:
+        lines.insert(0, f"Number of parameters on this rank in billions: {mem.parameters / 1e9:.4f} (expert-parallel "
+                        f"{mem.expert_parallel_parameters / 1e9:.4f}, frozen {mem.frozen_parameters / 1e9:.4f})")
+    text = "\n".join(lines)
+    if text != _REPORTED["last"]:  # Megatron-LM asks after the first two iterations: the same figures once
+        print(text, flush=True)
+        _REPORTED["last"] = text
     return total, None, total
 
 
+_REPORTED = {"last": None}
+
+
+def report_memory_cpu(name, process_group=None):
+    """Megatron-LM's ``report_memory(name, process_group)`` on a machine without CUDA, where its CUDA allocator
+    figures are all 0: the peak resident memory of this process (``getrusage``), printed by data-parallel rank 0."""
+    import resource
+
+    from megatron.core import parallel_state
+
+    rank = (torch.distributed.get_rank(process_group) if process_group is not None
+            else parallel_state.get_data_parallel_rank())
+    if rank == 0:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        print(f"[Rank {torch.distributed.get_rank()}] {name} memory (MB) | process peak resident: {peak:.2f}",
+              flush=True)
+
+
 def install() -> None:
-    """Make :func:`report_theoretical_memory` the one Megatron-LM's trainer calls."""
+    """Make :func:`report_theoretical_memory` the one Megatron-LM's trainer calls, and on a machine without CUDA
+    :func:`report_memory_cpu` its ``report_memory``."""
     from megatron.training import training
 
     training.report_theoretical_memory = report_theoretical_memory
+    if not torch.cuda.is_available():
+        training.report_memory = report_memory_cpu

@@ -1,6 +1,9 @@
 """TensorBoard scalars this model adds to Megatron-LM's: ``moe/expert-load-imbalance`` (mean over MoE layers of
 max / mean tokens per expert, and per layer ``moe/expert-load-imbalance/layer_i``) and ``packing-efficiency`` (the
-share of real tokens in the packed image+text rows).
+share of real tokens in the packed image+text rows), and the ``data/*`` counters of the training micro batches
+(:func:`megatron_glm5.training.data_accounting.write_data_counts`), each once per iteration at
+``--tensorboard-log-interval``. megatron-core's MTP metrics are written without their cumulative acceptance rate
+(:func:`install`).
 
 The expert loads are the routers' ``local_tokens_per_expert``, summed over the step's micro batches, which
 megatron-core's ``finalize_model_grads`` uses for the aux-loss-free expert-bias update and then resets:
@@ -9,6 +12,7 @@ megatron-core's ``finalize_model_grads`` uses for the aux-loss-free expert-bias 
 
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional
 
 import torch
@@ -56,3 +60,52 @@ def finalize_grads_and_log_expert_loads(model, num_tokens=None, pg_collection=No
     if writer is not None:
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, iteration)
+        if log_now:
+            from megatron_glm5.training.data_accounting import write_data_counts
+
+            write_data_counts(writer, iteration)
+
+
+_CUMULATIVE_MTP_RATE = re.compile(r"mtp_\d+_cumulative_acceptance_rate")
+
+
+class _WithoutCumulativeMtpRates:
+    """A TensorBoard / wandb writer that drops megatron-core's ``mtp_N_cumulative_acceptance_rate``: a total kept in
+    the process only (not in checkpoints), so it restarts at every resume; the per-step ``mtp_N_acceptance_rate``
+    is kept."""
+
+    def __init__(self, writer):
+        self._writer = writer
+
+    def add_scalar(self, tag, *args, **kwargs):
+        if not _CUMULATIVE_MTP_RATE.fullmatch(tag):
+            self._writer.add_scalar(tag, *args, **kwargs)
+
+    def log(self, values: dict, *args, **kwargs):
+        kept = {k: v for k, v in values.items() if not _CUMULATIVE_MTP_RATE.fullmatch(k)}
+        if kept:
+            self._writer.log(kept, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._writer, name)
+
+
+def install() -> None:
+    """megatron-core's MTP metrics (``MTPLossLoggingHelper.track_mtp_metrics``, called by Megatron-LM's
+    ``training_log``) written without the cumulative acceptance rate (:class:`_WithoutCumulativeMtpRates`)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+
+    require_version(TRAINER_VERSIONS, "the MTP metrics logging (training/moe_load_logging.py)")
+    track = MTPLossLoggingHelper.track_mtp_metrics
+    if getattr(track, "glm5_hook", False):
+        return
+
+    def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+        return track(loss_scale, iteration, writer if writer is None else _WithoutCumulativeMtpRates(writer),
+                     wandb_writer if wandb_writer is None else _WithoutCumulativeMtpRates(wandb_writer),
+                     total_loss_dict)
+
+    track_mtp_metrics.glm5_hook = True
+    MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)

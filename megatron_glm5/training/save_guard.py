@@ -52,7 +52,7 @@ from typing import Iterator, List, Optional, Set, Tuple
 
 from megatron_glm5.checkpoint.atomic import OutputDirError, check_output_path, output_lock, write_text_atomic
 from megatron_glm5.errors import ArgumentError, CheckpointError, one_line
-from megatron_glm5.checkpoint.megatron_layout import RELEASE, TRACKER_FILE, CheckpointDirError, read_tracker
+from megatron_glm5.checkpoint.tracker import RELEASE, TRACKER_FILE, CheckpointDirError, read_tracker
 
 ITER_DIR = re.compile(r"iter_\d{7,}\Z")
 PROGRESS_FILE = "progress.txt"  # Megatron-LM's --log-progress

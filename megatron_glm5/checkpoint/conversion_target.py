@@ -23,7 +23,7 @@ def validate_layout(hf_config, tp: int = 1, pp: int = 1, ep: int = 1, pipeline_l
     """Raise LayoutError unless the model of ``hf_config`` (an HF checkpoint dir, config.json path or dict)
     can be built at TP=tp, PP=pp, EP=ep with the given pipeline layout (megatron's layout string, or the number of
     decoder layers on the first / last stage; none: even, refused when PP does not divide the layers; see
-    ``megatron_glm5.models.parallel_layout``). Glm5ConfigError if the config itself is invalid."""
+    ``megatron_glm5.config.parallelism``). Glm5ConfigError if the config itself is invalid."""
     cfg = Glm5Config.from_hf(hf_config)
     for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(v, int) or v < 1:
