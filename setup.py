@@ -24,7 +24,7 @@ setup(
         "megatron-energon==7.4.0",  # Energon datasets as a --dataset-type chat source
     ],
     extras_require={
-        "test": ["pytest", "ruff==0.17.6", "flash-linear-attention==0.6.0", "fla-core==0.6.0"],
+        "test": ["pytest", "pytest-xdist", "ruff==0.17.6", "flash-linear-attention==0.6.0", "fla-core==0.6.0"],
         "gpu": ["flash-linear-attention==0.6.0", "fla-core==0.6.0", "triton"],
     },
 )

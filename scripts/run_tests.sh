@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Install megatron_glm5 with its pinned dependencies into a Python >= 3.12 virtual environment
-# (scripts/python_env.sh), lint with ruff (ruff.toml; the same check as the pre-commit hook) and run the test suite.
+# (scripts/python_env.sh), lint with ruff (ruff.toml; the same check as the pre-commit hook) and run the test suite
+# (every tier: unit, numerics, distributed, e2e, gpu; pytest.ini) over the machine's cores with pytest-xdist (at most
+# 2 workers by default: MEGATRON_GLM5_TEST_WORKERS=N to change it). --dist loadgroup: the tests that share a
+# module-scoped fixture (tests/conftest.py) run on one worker, so it is built once; --durations keeps the slowest
+# visible.
 # Usage: bash scripts/run_tests.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MEGATRON_GLM5_EXTRAS=test
 source scripts/python_env.sh
 "$PY" -m ruff check .
-"$PY" -m pytest -q -m "not slow" --durations=25 "$@"
+WORKERS=${MEGATRON_GLM5_TEST_WORKERS:-$("$PY" -c 'import os; print(min(2, len(os.sched_getaffinity(0))))')}
+"$PY" -m pytest -q -m "not slow" --durations=25 -n "$WORKERS" --dist loadgroup "$@"

@@ -4,8 +4,9 @@ The pieces (all CPU, fp32):
 
 * :class:`Layout`: TP / SP / PP (+ uneven split or megatron layout string, virtual stages) / EP / ETP / CP and the
   world size (DP is what is left); it gives the ``Glm5Config`` overrides and initialises megatron's parallel state.
-* :func:`spawn`: run ``fn(*args)`` in ``world`` spawned processes (gloo, ``RANK`` / ``WORLD_SIZE`` set, one thread
-  each); returns every rank's return value, in rank order. A failing rank fails the call with its traceback.
+* :func:`spawn` (from :mod:`tests.helpers`): run ``fn(*args)`` in ``world`` spawned processes (gloo, ``RANK`` /
+  ``WORLD_SIZE`` set, one thread each); returns every rank's return value, in rank order. A failing rank fails the
+  call with its traceback.
 * In-rank helpers for the model: :func:`build_chunks` (``build_model_chunks`` wrapped in megatron's DDP, schedule
   hooks set on the config as Megatron-LM does), :func:`save_tensors` / :func:`load_weights` (megatron
   ``dist_checkpointing``: parameters, or the reduced gradients, of the whole model, saved at this layout and read
@@ -22,15 +23,10 @@ after the steps, return the per-step losses, and ``compare`` with the one-rank r
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
-import time
-import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.multiprocessing as mp
 
 # ----------------------------------------------------------------------------------------------- layouts
 
@@ -86,68 +82,8 @@ class Layout:
 
 
 # ----------------------------------------------------------------------------------------------- processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    # megatron's jit_fuser is torch.compile: compiling on every spawned CPU rank costs seconds and changes nothing
-    # the comparison needs (the one-rank reference runs the same eager ops)
-    import torch._dynamo as dynamo
-
-    dynamo.config.disable = True
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        result = fn(*args)
-        torch.save({"ok": True, "result": result}, path)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
-        raise
-    finally:
-        from megatron_glm5.initialize import destroy_megatron
-
-        destroy_megatron()
-
-
-def spawn(fn: Callable, world: int, *args, timeout: float = 900) -> List[Any]:
-    """Run ``fn(*args)`` on ``world`` gloo ranks (spawned processes; ``fn`` must be importable, i.e. defined at
-    module level). Returns the ranks' results in rank order; raises with the first failing rank's traceback."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), fn, args, out_dir), nprocs=world, join=False,
-                                 start_method="spawn")
-        try:
-            deadline = time.monotonic() + timeout
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        if p.is_alive():
-                            p.kill()
-                    raise TimeoutError(f"{world} ranks did not finish within {timeout} s")
-        except TimeoutError:
-            raise
-        except Exception as e:  # noqa: BLE001 - prefer the rank's own traceback
-            for r in range(world):
-                p = os.path.join(out_dir, f"rank{r}.pt")
-                if os.path.exists(p):
-                    res = torch.load(p, weights_only=False)
-                    if not res["ok"]:
-                        raise RuntimeError(f"rank {r} failed:\n{res['error']}") from None
-            raise e
-        results = []
-        for r in range(world):
-            res = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-            if not res["ok"]:
-                raise RuntimeError(f"rank {r} failed:\n{res['error']}")
-            results.append(res["result"])
-        return results
+# one spawn helper for every multi-rank test (tests/helpers.py)
+from tests.helpers import free_port, spawn  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------------------------- in-rank helpers

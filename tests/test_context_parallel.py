@@ -3,7 +3,6 @@ MTP roll, KDA (conv tail + recurrent state across ranks), the KPool indexer and 
 same module on the whole row in one process (outputs, input gradients, parameter gradients summed over CP)."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,53 +10,11 @@ import torch
 from megatron_glm5.config import tiny_config
 from megatron_glm5.data.context_parallel import merge_cp_chunks, split_batch_for_cp
 from megatron_glm5.data.synthetic import cu_seqlens_of
+from tests.helpers import rel_max, spawn
 
 # Rows of 40 tokens whose documents cross chunk edges (at cp = 4 the third one spans chunks 1, 2 and 3), and a row of
 # 8 tokens whose chunks at cp = 4 are shorter than the conv's W - 1 = 3 inputs.
 ROWS = {"long": (3, 14, 21, 2), "short": (7, 1)}
-
-
-def _rel(a, b):
-    scale = b.abs().max()
-    return 0.0 if scale == 0 and a.abs().max() == 0 else ((a - b).abs().max() / scale).item()
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(worker, world, *args, timeout=300):
-    """Run ``worker(rank, world, port, queue, *args)`` on ``world`` gloo processes; returns ``{rank: result}``.
-    A worker puts ``(rank, result)`` or ``(rank, traceback string)`` on the queue."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, q, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(q.get(timeout=timeout) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    for rank, res in results.items():
-        assert not isinstance(res, str), f"rank {rank}:\n{res}"
-    return results
-
-
-def _env(rank, world, port):
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
 
 
 # ============================================================================ the batch cut (one process)
@@ -170,7 +127,7 @@ def test_kda_state_hand_off_one_process(cp, lens, monkeypatch):
     q, k, v, g, beta = _kda_inputs(int(cu[-1]), 2, 8, 6, "cpu")
     ref = chunk_kda_torch(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16, use_qk_l2norm=True)
     got = _chunked_kda(chunk_kda_torch, q, k, v, g, beta, cu, cp, monkeypatch)
-    err = _rel(got, ref)
+    err = rel_max(got, ref)
     print(f"cp{cp} {lens}: rel max err {err:.2e}")
     assert err < 1e-5
 
@@ -199,13 +156,13 @@ def test_kda_state_hand_off_fla_core(monkeypatch, dtype, heads, dim):
 
     whole, handed = run(chunk_kda_fla, False, dtype), run(chunk_kda_fla, True, dtype)
     if dtype == torch.float32:
-        assert _rel(handed[0], whole[0]) < 5e-3
+        assert rel_max(handed[0], whole[0]) < 5e-3
         for a, b in zip(handed[1:], whole[1:]):
-            assert _rel(a, b) < 1e-2
+            assert rel_max(a, b) < 1e-2
         return
     ref = run(chunk_kda_torch, False, torch.float32)
     for name, h, w, r in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), handed, whole, ref):
-        err_handed, err_whole = _rel(h, r), _rel(w, r)
+        err_handed, err_whole = rel_max(h, r), rel_max(w, r)
         print(f"bf16 {name}: hand-off {err_handed:.2e}, FLA whole row {err_whole:.2e}")
         assert torch.isfinite(h).all(), name
         assert err_handed <= 2 * err_whole + 2e-3, name
@@ -250,96 +207,91 @@ def _compare(mod_ref, mod_cp, row_len, cu, forward, rank, cp, seed):
     out, extra = forward(mod_cp, xc, params)
     (out * w[sl]).sum().backward()
 
-    errs = {"out": _rel(out.detach(), out_ref.detach()[sl]), "x.grad": _rel(xc.grad, xr.grad[sl])}
+    errs = {"out": rel_max(out.detach(), out_ref.detach()[sl]), "x.grad": rel_max(xc.grad, xr.grad[sl])}
     ref_grads = dict(mod_ref.named_parameters())
     for name, p in mod_cp.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         dist.all_reduce(grad)
         ref = ref_grads[name].grad
-        errs[name] = _rel(grad, torch.zeros_like(p) if ref is None else ref)
+        errs[name] = rel_max(grad, torch.zeros_like(p) if ref is None else ref)
     same_extra = extra is None or torch.equal(extra, extra_ref[:, sl])
     return errs, same_extra
 
 
-def _module_worker(rank, world, port, q, row_names):
-    _env(rank, world, port)
-    try:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.transformer.spec_utils import build_module
+def _module_worker(row_names):
+    """This rank's ``{check: relative difference or 0/1 failure flag}`` (run by :func:`tests.helpers.spawn`)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
 
-        from megatron_glm5.initialize import destroy_megatron, initialize_megatron
-        from megatron_glm5.models.context_parallel import roll_left_in_documents
-        from megatron_glm5.models.kda import KimiDeltaAttention, get_kda_module_spec
-        from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
-        from megatron.core.transformer.multi_token_prediction import roll_tensor
-        from megatron_glm5.models.packing import make_packed_seq_params
+    from megatron_glm5.initialize import initialize_megatron
+    from megatron_glm5.models.context_parallel import roll_left_in_documents
+    from megatron_glm5.models.kda import KimiDeltaAttention, get_kda_module_spec
+    from megatron_glm5.models.kpool_dsa import get_dsa_module_spec
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+    from megatron_glm5.models.packing import make_packed_seq_params
 
-        initialize_megatron(cp=world)
-        solo = [dist.new_group([r]) for r in range(world)][rank]  # a CP group of one: the whole-row reference
-        ref_pgs = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), cp=solo)
-        results = {}
-        for row in row_names:
-            lens = ROWS[row]
-            cu = cu_seqlens_of(lens)
-            s = sum(lens)
-            # the contiguous roll == megatron's packed roll of the whole row
-            lab = torch.randint(0, 100, (1, s), generator=torch.Generator().manual_seed(3))
-            _, params = split_batch_for_cp({"tokens": lab, "cu_seqlens": cu}, world, rank)
-            L = s // world
-            want = roll_tensor(lab, -1, -1, None, make_packed_seq_params(cu))[0][:, rank * L:(rank + 1) * L]
-            results[f"roll/{row}"] = float(not torch.equal(
-                roll_left_in_documents(lab[:, rank * L:(rank + 1) * L], params, ps.get_context_parallel_group()),
-                want))
+    initialize_megatron(cp=world)
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # a CP group of one: the whole-row reference
+    ref_pgs = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), cp=solo)
+    results = {}
+    for row in row_names:
+        lens = ROWS[row]
+        cu = cu_seqlens_of(lens)
+        s = sum(lens)
+        # the contiguous roll == megatron's packed roll of the whole row
+        lab = torch.randint(0, 100, (1, s), generator=torch.Generator().manual_seed(3))
+        _, params = split_batch_for_cp({"tokens": lab, "cu_seqlens": cu}, world, rank)
+        L = s // world
+        want = roll_tensor(lab, -1, -1, None, make_packed_seq_params(cu))[0][:, rank * L:(rank + 1) * L]
+        results[f"roll/{row}"] = float(not torch.equal(
+            roll_left_in_documents(lab[:, rank * L:(rank + 1) * L], params, ps.get_context_parallel_group()),
+            want))
 
-            for gate in ("bounded", "softplus"):
-                over = {} if gate == "bounded" else {"linear_lower_bound": None}
-                cfg = _module_config(**over)
-                spec = get_kda_module_spec()
-                ref = KimiDeltaAttention(cfg, spec.submodules, layer_number=1, pg_collection=ref_pgs)
-                mod = KimiDeltaAttention(cfg, spec.submodules, layer_number=1)
-                _same_weights(ref)
-                mod.load_state_dict(ref.state_dict())
-                errs, _ = _compare(ref, mod, s, cu, lambda m, x, p: (m(x, packed_seq_params=p)[0], None), rank,
-                                   world, seed=1)
-                results.update({f"kda-{gate}/{row}/{k}": v for k, v in errs.items()})
-                try:  # a chunk with plain PackedSeqParams under CP is refused with one line
-                    mod(torch.zeros(s // world, 1, cfg.hidden_size), packed_seq_params=make_packed_seq_params(
-                        torch.tensor([0, s // world], dtype=torch.int32)))
-                    results["roll/refuses plain params"] = 1.0
-                except ValueError as e:
-                    results["roll/refuses plain params"] = float("split_batch_for_cp" not in str(e))
+        for gate in ("bounded", "softplus"):
+            over = {} if gate == "bounded" else {"linear_lower_bound": None}
+            cfg = _module_config(**over)
+            spec = get_kda_module_spec()
+            ref = KimiDeltaAttention(cfg, spec.submodules, layer_number=1, pg_collection=ref_pgs)
+            mod = KimiDeltaAttention(cfg, spec.submodules, layer_number=1)
+            _same_weights(ref)
+            mod.load_state_dict(ref.state_dict())
+            errs, _ = _compare(ref, mod, s, cu, lambda m, x, p: (m(x, packed_seq_params=p)[0], None), rank,
+                               world, seed=1)
+            results.update({f"kda-{gate}/{row}/{k}": v for k, v in errs.items()})
+            try:  # a chunk with plain PackedSeqParams under CP is refused with one line
+                mod(torch.zeros(s // world, 1, cfg.hidden_size), packed_seq_params=make_packed_seq_params(
+                    torch.tensor([0, s // world], dtype=torch.int32)))
+                results["roll/refuses plain params"] = 1.0
+            except ValueError as e:
+                results["roll/refuses plain params"] = float("split_batch_for_cp" not in str(e))
 
-            if row != "long":
-                continue
-            for backend in ("torch", "sparse"):
-                cfg = _module_config(dsa_backend=backend)
-                ref = build_module(get_dsa_module_spec(), config=cfg, layer_number=2, pg_collection=ref_pgs)
-                mod = build_module(get_dsa_module_spec(), config=cfg, layer_number=2)
-                with torch.no_grad():  # a random indexer (its HF init is degenerate) so that the selection matters
-                    for p in ref.indexer.parameters():
-                        p.normal_(0, 0.5)
-                _same_weights(ref)
-                mod.load_state_dict(ref.state_dict())
-                errs, same = _compare(ref, mod, s, cu, lambda m, x, p: m(x, packed_seq_params=p), rank, world,
-                                      seed=2)
-                results.update({f"dsa-{backend}/{k}": v for k, v in errs.items()})
-                results[f"dsa-{backend}/selection differs"] = float(not same)
-        q.put((rank, results))
-        destroy_megatron()
-    except Exception:  # pragma: no cover - reported to the parent
-        import traceback
-
-        q.put((rank, traceback.format_exc()))
+        if row != "long":
+            continue
+        for backend in ("torch", "sparse"):
+            cfg = _module_config(dsa_backend=backend)
+            ref = build_module(get_dsa_module_spec(), config=cfg, layer_number=2, pg_collection=ref_pgs)
+            mod = build_module(get_dsa_module_spec(), config=cfg, layer_number=2)
+            with torch.no_grad():  # a random indexer (its HF init is degenerate) so that the selection matters
+                for p in ref.indexer.parameters():
+                    p.normal_(0, 0.5)
+            _same_weights(ref)
+            mod.load_state_dict(ref.state_dict())
+            errs, same = _compare(ref, mod, s, cu, lambda m, x, p: m(x, packed_seq_params=p), rank, world,
+                                  seed=2)
+            results.update({f"dsa-{backend}/{k}": v for k, v in errs.items()})
+            results[f"dsa-{backend}/selection differs"] = float(not same)
+    return results
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_modules_cp_equal_whole_row(cp):
     rows = ["long", "short"] if cp == 4 else ["long"]
-    results = spawn(_module_worker, cp, rows)
+    results = spawn(_module_worker, cp, rows, timeout=300)
     worst = {}
-    for rank, res in results.items():
+    for res in results:
         for k, v in res.items():
             worst[k] = max(worst.get(k, 0.0), v)
     for group in ("roll", "kda-bounded", "kda-softplus", "dsa-torch", "dsa-sparse"):

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from megatron_glm5.checkpoint.hf_io import HFCheckpointReader, load_hf_checkpoint  # noqa: E402
 from megatron_glm5.checkpoint.hf_keys import canonical_name, is_non_persistent, mcore_to_hf  # noqa: E402
 from megatron_glm5.config import Glm5Config, tiny_hf_config  # noqa: E402
-from megatron_glm5.initialize import free_port  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 ERR = "convert_hf_to_mcore: error:"
 

@@ -15,15 +15,13 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import rel
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 pytestmark = pytest.mark.gpu
 
 BOUNDS = {torch.float32: dict(loss=1e-3, grad=2e-2), torch.bfloat16: dict(loss=2e-2, grad=0.25)}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _record_selections(model, store: list):
@@ -104,8 +102,8 @@ def test_cuda_defaults_match_the_reference_backends(mcore, dtype):
     (loss_r, grads_r), (loss_f, grads_f) = results["ref"], results["fast"]
     assert torch.isfinite(loss_f).all() and all(torch.isfinite(g).all() for g in grads_f.values())
     assert set(grads_f) == set(grads_r) and len(grads_r) > 50
-    err_loss = _rel(loss_f, loss_r)
-    errs = sorted(((_rel(grads_f[n], grads_r[n]), n) for n in grads_r), reverse=True)
+    err_loss = rel(loss_f, loss_r)
+    errs = sorted(((rel(grads_f[n], grads_r[n]), n) for n in grads_r), reverse=True)
     print(f"{dtype}: per-token loss {err_loss:.2e}; worst gradients " + ", ".join(f"{n} {e:.2e}" for e, n in errs[:5])
           + f"; queries whose own selection differs, per DSA call: {flips} of {sum(lens)}")
     assert err_loss <= BOUNDS[dtype]["loss"]

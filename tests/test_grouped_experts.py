@@ -6,6 +6,7 @@ import torch
 
 from megatron_glm5.config import Glm5Config, tiny_hf_config
 from megatron_glm5.models.grouped_experts import GroupedExperts
+from tests.helpers import rel
 
 
 def _config(backend, **over):
@@ -40,10 +41,6 @@ def _run(m, x, w):
     return out.float(), xi.grad.float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
 
 
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def test_same_parameters_and_checkpoint_keys(mcore):
     seq, grp = _moe_pair()
     assert list(seq.state_dict()) == list(grp.state_dict())
@@ -74,11 +71,11 @@ def test_grouped_matches_sequential_cpu(mcore, force_grouped):
     out_g, dx_g, g_g = _run(grp, x, w)
     counts = torch.bincount(seq.router(x.view(s, -1))[1].nonzero()[:, 1], minlength=8)
     assert (counts == 0).any(), counts  # empty groups covered
-    assert _rel(out_g, out_s) < 1e-6
-    assert _rel(dx_g, dx_s) < 1e-6
+    assert rel(out_g, out_s) < 1e-6
+    assert rel(dx_g, dx_s) < 1e-6
     assert g_s.keys() == g_g.keys()
     for n in g_s:
-        assert _rel(g_g[n], g_s[n]) < 1e-6, n
+        assert rel(g_g[n], g_s[n]) < 1e-6, n
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: megatron's router moves a CPU weight to the GPU "
@@ -122,14 +119,14 @@ def test_grouped_weight_gradients_go_into_main_grad_cpu(mcore, layout):
             wt.main_grad = buf[e] if layout == "back_to_back" else torch.zeros_like(buf[e])
             wt.grad_added_to_main_grad = False
     dx = two_micro_batches()
-    assert all(_rel(a, b) < 1e-6 for a, b in zip(dx, dx_ref))
+    assert all(rel(a, b) < 1e-6 for a, b in zip(dx, dx_ref))
     for n, p in grp.named_parameters():
         if id(p) not in experts:
-            assert _rel(p.grad, ref[n]) < 1e-6, n
+            assert rel(p.grad, ref[n]) < 1e-6, n
         elif layout == "back_to_back":
-            assert p.grad_added_to_main_grad and _rel(p.main_grad, ref[n]) < 1e-6, n
+            assert p.grad_added_to_main_grad and rel(p.main_grad, ref[n]) < 1e-6, n
         else:
-            assert not p.grad_added_to_main_grad and not p.main_grad.any() and _rel(p.grad, ref[n]) < 1e-6, n
+            assert not p.grad_added_to_main_grad and not p.main_grad.any() and rel(p.grad, ref[n]) < 1e-6, n
     assert all(buf.abs().sum() > 0 for buf in buffers) == (layout == "back_to_back")
     from megatron_glm5.mcore_extensions import describe_fusion
 
@@ -161,11 +158,11 @@ def test_grouped_matches_sequential_gpu_bf16(mcore):
     for ws in grp.experts.expert_weight_sets():  # packed again after .to(cuda, bf16): the GEMMs read them in place
         assert stacked_weights(ws).data_ptr() == ws[0].data_ptr()
     assert torch.isfinite(out_g).all() and torch.isfinite(dx_g).all()
-    assert _rel(out_g, out_s) < 1e-2
-    assert _rel(dx_g, dx_s) < 1e-2
+    assert rel(out_g, out_s) < 1e-2
+    assert rel(dx_g, dx_s) < 1e-2
     for n in g_s:
         assert torch.isfinite(g_g[n]).all(), n
-        assert _rel(g_g[n], g_s[n]) < 2e-2, n
+        assert rel(g_g[n], g_s[n]) < 2e-2, n
 
 
 @pytest.mark.gpu
@@ -202,7 +199,7 @@ def test_fused_clamped_swiglu_matches_reference_gpu(limit, offset, dtype):
     exact = run(lambda y, p: grouped_glu(y, p, cfg), torch.float32)
     for name, o, r, e in zip(("out", "d_y1", "d_probs"), fused, ref, exact):
         assert torch.isfinite(o).all(), name
-        err, err_ref = _rel(o, e), _rel(r, e)
+        err, err_ref = rel(o, e), rel(r, e)
         print(f"glu {dtype} limit={limit} {name}: fused {err:.1e} (torch {err_ref:.1e})")
         assert err < (2e-6 if dtype == torch.float32 else err_ref * 1.5 + 2e-3), (name, err, err_ref)
 

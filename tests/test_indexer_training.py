@@ -341,15 +341,15 @@ def test_resume_after_the_warmup_switches_to_the_sparse_stage(trained):
     straight run (the schedule resumed), the indexers' Adam moments carried (their second moments after the step
     are at least beta2 times the warm-up's: fresh ones would be (1 - beta2) g^2) and every other parameter's
     fresh."""
-    from tests.training_harness import scalars
+    from tests.training_harness import log_iterations, scalars
 
     tmp, _ = trained
     proc = _train(tmp, "warmup", ["--dsa-indexer-loss-coeff", "1.0", "--dsa-indexer-warmup", "3", "--load",
                                   str(tmp / "warmup")])
     assert "indexer warm-up -> sparse stage at iteration 3" in proc.stdout
     assert "the indexers' Adam moments (42 tensors) carried" in proc.stdout          # 21 tensors x 2 moments
-    line = [ln for ln in proc.stdout.splitlines() if " iteration        4/" in ln]
-    assert len(line) == 1 and "consumed samples:           16" in line[0] and "indexer loss:" in line[0], line
+    line = [it for it in log_iterations(proc.stdout) if it["iteration"] == 4]
+    assert len(line) == 1 and line[0]["consumed samples"] == 16 and "indexer loss" in line[0], line
     lr = dict(scalars(tmp / "tb_warmup")["learning-rate"])
     assert lr[4] == dict(scalars(tmp / "tb_off")["learning-rate"])[4]
     warm, warm_full = _weights(tmp, "warmup", 3)

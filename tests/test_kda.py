@@ -22,18 +22,11 @@ from megatron_glm5.models.kda import (
     recurrent_kda_reference,
 )
 from megatron_glm5.models.packing import make_packed_seq_params
+from tests.helpers import rel, rel_max, spawn
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 HF_MOD = "transformers.models.glm5_next.modeling_glm5_next"
-
-
-def _rel_max(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def _rel_l2(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _load_fla_naive():
@@ -75,13 +68,13 @@ def test_causal_depthwise_conv1d_packed():
     out = causal_depthwise_conv1d(x, w, cu)
     ref = torch.cat([F.conv1d(x[:, a:e].transpose(1, 2), w[:, None], padding=W - 1, groups=c)[..., : e - a]
                      for a, e in _docs(cu)], -1).transpose(1, 2)
-    err = _rel_max(out, ref)
+    err = rel_max(out, ref)
     print(f"conv packed rel max err {err:.2e}")
     assert err < 1e-6
     # checkpoint layout [c, 1, W] and no packing (batch rows are documents)
     xb = torch.randn(3, 10, c)
     ref_b = F.conv1d(xb.transpose(1, 2), w[:, None], padding=W - 1, groups=c)[..., :10].transpose(1, 2)
-    assert _rel_max(causal_depthwise_conv1d(xb, w[:, None]), ref_b) < 1e-6
+    assert rel_max(causal_depthwise_conv1d(xb, w[:, None]), ref_b) < 1e-6
 
 
 # ============================================================================ core delta rule
@@ -96,13 +89,13 @@ def test_chunk_kda_vs_fla_naive(chunk_size, gate):
     qn, kn = l2norm(q), l2norm(k)
     ref = torch.cat([naive.naive_recurrent_kda(qn[:, a:e], kn[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e],
                                                scale=scale)[0] for a, e in _docs(cu)], 1)
-    err = _rel_max(out, ref)
+    err = rel_max(out, ref)
     print(f"chunk_kda_torch vs fla naive (C={chunk_size}, {gate}) rel max err {err:.2e}")
     assert torch.isfinite(out).all()
     assert err < 1e-5
     # without l2norm in the call (inputs pre-normalised): same result
     out2 = chunk_kda_torch(qn, kn, v, g, beta, scale=scale, cu_seqlens=cu, chunk_size=chunk_size)
-    assert _rel_max(out2, ref) < 1e-5
+    assert rel_max(out2, ref) < 1e-5
 
 
 def test_chunk_kda_vs_hf_one_document():
@@ -112,7 +105,7 @@ def test_chunk_kda_vs_hf_one_document():
     ref_rec, _ = hf.recurrent_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=None,
                                                    output_final_state=False, use_qk_l2norm_in_kernel=True)
     ref_chunk, _ = hf.chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
-    e1, e2 = _rel_max(out, ref_rec), _rel_max(out, ref_chunk)
+    e1, e2 = rel_max(out, ref_rec), rel_max(out, ref_chunk)
     print(f"chunk_kda_torch vs HF recurrent {e1:.2e}, vs HF chunk {e2:.2e}")
     assert e1 < 1e-5 and e2 < 1e-5
 
@@ -131,7 +124,7 @@ def test_chunk_kda_gradients():
 
     ours = grads(chunk_kda_torch, chunk_size=16)
     ref = grads(recurrent_kda_reference)
-    errs = [_rel_l2(a, b) for a, b in zip(ours, ref)]
+    errs = [rel(a, b) for a, b in zip(ours, ref)]
     print("chunk_kda_torch grad rel L2 (q, k, v, g, beta): " + ", ".join(f"{e:.2e}" for e in errs))
     assert max(errs) < 1e-4
 
@@ -210,12 +203,12 @@ def _check_module_against_hf(hf, ours, lengths, label):
     (ref * w.transpose(0, 1)).sum().backward()
     ref = ref.transpose(0, 1)
 
-    err = _rel_max(out.detach(), ref.detach())
-    gx = _rel_l2(xo.grad, xh.grad.transpose(0, 1))
+    err = rel_max(out.detach(), ref.detach())
+    gx = rel(xo.grad, xh.grad.transpose(0, 1))
     ours_g = _ours_grads_as_hf(ours)
     hf_g = {n: p.grad for n, p in hf.named_parameters()}
     assert set(ours_g) == set(hf_g), (set(ours_g) ^ set(hf_g))
-    gp = {n: _rel_l2(ours_g[n], hf_g[n]) for n in hf_g}
+    gp = {n: rel(ours_g[n], hf_g[n]) for n in hf_g}
     print(f"[{label}] out rel max err {err:.2e}; input grad rel L2 {gx:.2e}; worst param grad rel L2 "
           f"{max(gp.values()):.2e} ({max(gp, key=gp.get)})")
     assert err <= 1e-5
@@ -251,7 +244,7 @@ def test_module_batch_rows_are_documents(mcore):
     with torch.no_grad():
         out, _ = ours(x.transpose(0, 1).contiguous())
         ref = hf(x)
-    assert _rel_max(out.transpose(0, 1), ref) <= 1e-5
+    assert rel_max(out.transpose(0, 1), ref) <= 1e-5
 
 
 def test_module_init_dtype_and_sharded_state_dict(mcore):
@@ -280,86 +273,65 @@ def test_module_init_dtype_and_sharded_state_dict(mcore):
 
 
 # ============================================================================ tensor parallel (2 gloo ranks)
-def _tp_worker(rank, world, port, sequence_parallel, result_q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        from transformers import Glm5NextTextConfig
+def _tp_worker(sequence_parallel):
+    """This rank's ``{"out" | "x.grad" | parameter: relative difference}`` (run by :func:`tests.helpers.spawn`)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from transformers import Glm5NextTextConfig
 
-        from megatron_glm5.initialize import destroy_megatron, initialize_megatron
+    from megatron_glm5.initialize import initialize_megatron
 
-        if not torch.cuda.is_available():  # a spawned process: the reference's CPU path as in the test process
-            from conftest import _transformers_reference_on_cpu
+    if not torch.cuda.is_available():  # a spawned process: the reference's CPU path as in the test process
+        from conftest import _transformers_reference_on_cpu
 
-            _transformers_reference_on_cpu()
-        hf_mod = __import__(HF_MOD, fromlist=["Glm5NextTextLinearAttention"])
-        initialize_megatron(tp=world, seed=1234)
-        text = _hf_text_dict()
-        torch.manual_seed(5)  # same on both ranks: identical HF weights
-        hf = hf_mod.Glm5NextTextLinearAttention(Glm5NextTextConfig(**text), layer_idx=0).float()
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.startswith("o_norm") else
-                        torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.4 / p.shape[-1] ** 0.5))
-        cfg = Glm5Config.from_hf({"text_config": text}, tensor_model_parallel_size=world,
-                                 sequence_parallel=sequence_parallel)
-        ours = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1)
-        assert ours.num_heads_local * world == ours.num_heads
-        replicated = ("f_a_proj.weight", "g_a_proj.weight", "o_norm.weight")
-        dims = {"o_proj.weight": 1}
+        _transformers_reference_on_cpu()
+    hf_mod = __import__(HF_MOD, fromlist=["Glm5NextTextLinearAttention"])
+    initialize_megatron(tp=world, seed=1234)
+    text = _hf_text_dict()
+    torch.manual_seed(5)  # same on both ranks: identical HF weights
+    hf = hf_mod.Glm5NextTextLinearAttention(Glm5NextTextConfig(**text), layer_idx=0).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.startswith("o_norm") else
+                    torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.4 / p.shape[-1] ** 0.5))
+    cfg = Glm5Config.from_hf({"text_config": text}, tensor_model_parallel_size=world,
+                             sequence_parallel=sequence_parallel)
+    ours = KimiDeltaAttention(cfg, get_kda_module_spec().submodules, layer_number=1)
+    assert ours.num_heads_local * world == ours.num_heads
+    replicated = ("f_a_proj.weight", "g_a_proj.weight", "o_norm.weight")
+    dims = {"o_proj.weight": 1}
 
-        def shard(name, t):
-            return t if name in replicated else t.chunk(world, dims.get(name, 0))[rank]
+    def shard(name, t):
+        return t if name in replicated else t.chunk(world, dims.get(name, 0))[rank]
 
-        full_sd = _hf_to_ours_state_dict(hf.state_dict())
-        ours.load_state_dict({n: shard(n, t) for n, t in full_sd.items()}, strict=False)
+    full_sd = _hf_to_ours_state_dict(hf.state_dict())
+    ours.load_state_dict({n: shard(n, t) for n, t in full_sd.items()}, strict=False)
 
-        cu = torch.tensor([0, 30, 32, 64], dtype=torch.int32)
-        gen = torch.Generator().manual_seed(3)
-        x = torch.randn(64, 1, cfg.hidden_size, generator=gen)
-        w = torch.randn(64, 1, cfg.hidden_size, generator=gen)
-        xs = (x.chunk(world, 0)[rank] if sequence_parallel else x).clone().requires_grad_(True)
-        ws = w.chunk(world, 0)[rank] if sequence_parallel else w
-        out = ours(xs, packed_seq_params=make_packed_seq_params(cu))[0]
-        (out * ws).sum().backward()
+    cu = torch.tensor([0, 30, 32, 64], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 1, cfg.hidden_size, generator=gen)
+    w = torch.randn(64, 1, cfg.hidden_size, generator=gen)
+    xs = (x.chunk(world, 0)[rank] if sequence_parallel else x).clone().requires_grad_(True)
+    ws = w.chunk(world, 0)[rank] if sequence_parallel else w
+    out = ours(xs, packed_seq_params=make_packed_seq_params(cu))[0]
+    (out * ws).sum().backward()
 
-        xh = x.transpose(0, 1).clone().requires_grad_(True)
-        ref = torch.cat([hf(xh[:, a:e]) for a, e in _docs(cu)], 1)
-        (ref * w.transpose(0, 1)).sum().backward()
-        ref, ref_gx = ref.detach().transpose(0, 1), xh.grad.transpose(0, 1)
-        if sequence_parallel:
-            ref, ref_gx = ref.chunk(world, 0)[rank], ref_gx.chunk(world, 0)[rank]
-        errs = {"out": _rel_max(out.detach(), ref), "x.grad": _rel_l2(xs.grad, ref_gx)}
-        hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-        hf_grads = _hf_to_ours_state_dict(hf_grads)
-        for name, p in ours.named_parameters():
-            errs[name] = _rel_l2(p.grad, shard(name, hf_grads[name]))
-        result_q.put((rank, errs))
-        destroy_megatron()
-    except Exception:  # pragma: no cover - reported to the parent
-        import traceback
-
-        result_q.put((rank, traceback.format_exc()))
+    xh = x.transpose(0, 1).clone().requires_grad_(True)
+    ref = torch.cat([hf(xh[:, a:e]) for a, e in _docs(cu)], 1)
+    (ref * w.transpose(0, 1)).sum().backward()
+    ref, ref_gx = ref.detach().transpose(0, 1), xh.grad.transpose(0, 1)
+    if sequence_parallel:
+        ref, ref_gx = ref.chunk(world, 0)[rank], ref_gx.chunk(world, 0)[rank]
+    errs = {"out": rel_max(out.detach(), ref), "x.grad": rel(xs.grad, ref_gx)}
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    hf_grads = _hf_to_ours_state_dict(hf_grads)
+    for name, p in ours.named_parameters():
+        errs[name] = rel(p.grad, shard(name, hf_grads[name]))
+    return errs
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_matches_single_rank(sequence_parallel):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, sequence_parallel, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = dict(enumerate(spawn(_tp_worker, 2, sequence_parallel, timeout=120)))
     for rank, res in sorted(results.items()):
         assert isinstance(res, dict), res
         worst = max(res, key=res.get)
@@ -401,10 +373,10 @@ def test_fla_backend_matches_torch(mcore, dtype):
         res.append((out.float(), xi.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}))
     # FLA's triton kernels use TF32 tensor-core dots for fp32 inputs: fp32 agreement is at TF32 level
     tol_out, tol_grad = (5e-3, 1e-2) if dtype == torch.float32 else (3e-2, 5e-2)
-    assert _rel_max(res[1][0], res[0][0]) < tol_out
-    assert _rel_l2(res[1][1], res[0][1]) < tol_grad
+    assert rel_max(res[1][0], res[0][0]) < tol_out
+    assert rel(res[1][1], res[0][1]) < tol_grad
     for n in res[0][2]:
-        assert _rel_l2(res[1][2][n], res[0][2][n]) < tol_grad, n
+        assert rel(res[1][2][n], res[0][2][n]) < tol_grad, n
 
 
 @pytest.mark.gpu
@@ -447,13 +419,13 @@ def test_fla_fused_backend_matches_torch(mcore, dtype, lower_bound):
         res.append((out.float(), xi.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}))
     tol_out, tol_grad = (5e-3, 1e-2) if dtype == torch.float32 else (3e-2, 5e-2)
     assert torch.isfinite(res[1][0]).all() and torch.isfinite(res[1][1]).all()
-    print(f"fla_fused {dtype} lb={lower_bound}: out {_rel_max(res[1][0], res[0][0]):.2e} "
-          f"dx {_rel_l2(res[1][1], res[0][1]):.2e}")
-    assert _rel_max(res[1][0], res[0][0]) < tol_out
-    assert _rel_l2(res[1][1], res[0][1]) < tol_grad
+    print(f"fla_fused {dtype} lb={lower_bound}: out {rel_max(res[1][0], res[0][0]):.2e} "
+          f"dx {rel(res[1][1], res[0][1]):.2e}")
+    assert rel_max(res[1][0], res[0][0]) < tol_out
+    assert rel(res[1][1], res[0][1]) < tol_grad
     for n in res[0][2]:
         assert torch.isfinite(res[1][2][n]).all(), n
-        assert _rel_l2(res[1][2][n], res[0][2][n]) < tol_grad, n
+        assert rel(res[1][2][n], res[0][2][n]) < tol_grad, n
 
 
 def _fused_layer_variants(attr: str, values, **text_changes):
@@ -483,13 +455,13 @@ def test_fla_fused_saved_intermediates_match_recompute(mcore):
     bf16 at the released KDA widths on a packed row."""
     pytest.importorskip("triton")
     res = _fused_layer_variants("save_intermediates", (False, True), linear_num_heads=64, linear_head_dim=128)
-    print(f"saved vs recomputed: out {_rel_max(res[True][0], res[False][0]):.2e} "
-          f"dx {_rel_l2(res[True][1], res[False][1]):.2e}")
+    print(f"saved vs recomputed: out {rel_max(res[True][0], res[False][0]):.2e} "
+          f"dx {rel(res[True][1], res[False][1]):.2e}")
     assert torch.equal(res[True][0], res[False][0])  # the forward is the same computation
-    assert _rel_l2(res[True][1], res[False][1]) < 2e-3
+    assert rel(res[True][1], res[False][1]) < 2e-3
     for n, g in res[False][2].items():
         assert torch.isfinite(res[True][2][n]).all(), n
-        assert _rel_l2(res[True][2][n], g) < 2e-3, n
+        assert rel(res[True][2][n], g) < 2e-3, n
 
 
 @pytest.mark.gpu
@@ -498,12 +470,12 @@ def test_fla_fused_conv_kernels_agree(mcore):
     packed bf16 row: the same output and gradients up to bf16 rounding."""
     pytest.importorskip("fla")
     res = _fused_layer_variants("conv_kernel_name", ("fla", "triton"), linear_num_heads=8, linear_head_dim=64)
-    print(f"triton vs fla conv: out {_rel_max(res['triton'][0], res['fla'][0]):.2e} "
-          f"dx {_rel_l2(res['triton'][1], res['fla'][1]):.2e}")
-    assert _rel_max(res["triton"][0], res["fla"][0]) < 2e-2
-    assert _rel_l2(res["triton"][1], res["fla"][1]) < 2e-2
+    print(f"triton vs fla conv: out {rel_max(res['triton'][0], res['fla'][0]):.2e} "
+          f"dx {rel(res['triton'][1], res['fla'][1]):.2e}")
+    assert rel_max(res["triton"][0], res["fla"][0]) < 2e-2
+    assert rel(res["triton"][1], res["fla"][1]) < 2e-2
     for n, g in res["fla"][2].items():
-        assert _rel_l2(res["triton"][2][n], g) < 2e-2, n
+        assert rel(res["triton"][2][n], g) < 2e-2, n
 
 
 def test_fla_tune_configs_env(monkeypatch):

@@ -31,7 +31,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from test_pool_mass import _rel, run_on_the_interpreter  # noqa: E402
+from test_pool_mass import run_on_the_interpreter  # noqa: E402
+
+from tests.helpers import rel  # noqa: E402
 
 BF16_STEP = 2.0 ** -7
 """bf16's spacing relative to a value (8 significant bits), at most: the interpreter's truncation of an fp32 value to
@@ -64,7 +66,7 @@ def _run(fn, inputs, grads):
 
 
 def _errors(names, got, ref) -> dict:
-    return {n: _rel(g, r) for n, g, r in zip(names, got, ref)}
+    return {n: rel(g, r) for n, g, r in zip(names, got, ref)}
 
 
 def _up(ts):
@@ -97,7 +99,7 @@ def _rms_norm() -> dict:
         got, want = _run(fused, (x, w), (g,)), _run(ref, (x, w), (g,))
         out[tag] = _errors(names, got, want)
         _, rstd = k.rms_norm_fwd(x.view(-1, d), w, eps)
-        out[tag]["rstd"] = _rel(rstd, torch.rsqrt(x.double().view(-1, d).square().mean(-1) + eps))
+        out[tag]["rstd"] = rel(rstd, torch.rsqrt(x.double().view(-1, d).square().mean(-1) + eps))
         if tag == "rows27_d48":
             xa = x.clone().requires_grad_(True)                     # frozen weight: no dw partials (HAS_DW off)
             fused(xa, w).backward(g)
@@ -162,7 +164,7 @@ def _mhc() -> dict:
     out = {tag: _errors(names, _run(fused(p), inputs, grads), want)
            for tag, p in (("autograd_add", False), ("pass_streams", True))}
     mixes, _ = k._proj_fwd(streams.view(T, n * h), fn, eps)
-    out["mixes"] = _rel(mixes, k.mixes_reference(streams, fn, eps))
+    out["mixes"] = rel(mixes, k.mixes_reference(streams, fn, eps))
     return out
 
 
@@ -224,7 +226,7 @@ def _indexer_scores() -> dict:
         got = k.indexer_scores(qd, keys, w, scale)
         ref = k.indexer_scores_reference(qd, keys, w, scale)
         zero = ref[0, 0] == 0
-        out[str(dt)[6:]] = dict(scores=_rel(got, ref), max_abs_over_max=float((got - ref).abs().max() / ref.abs().max()),
+        out[str(dt)[6:]] = dict(scores=rel(got, ref), max_abs_over_max=float((got - ref).abs().max() / ref.abs().max()),
                                 zeros=int(zero.sum()), zeros_exact=bool(torch.equal(got[0, 0][zero], ref[0, 0][zero])))
     first_pos = 5
     bounds = torch.tensor([0, 20, 30, 1000])
@@ -271,8 +273,8 @@ def _cross_entropy() -> dict:
     mr, lr, xtr = k.row_stats_reference(x, t)
     lse = mr + torch.log(lr)
     grad = torch.rand(n, generator=gen)
-    out = dict(m_bitwise=bool(torch.equal(m, mr)), x_t_bitwise=bool(torch.equal(x_t, xtr)), l=_rel(sum_exp, lr),
-               softmax_grad=_rel(k.softmax_grad(x, t, lse, grad), k.softmax_grad_reference(x, t, lse, grad)))
+    out = dict(m_bitwise=bool(torch.equal(m, mr)), x_t_bitwise=bool(torch.equal(x_t, xtr)), l=rel(sum_exp, lr),
+               softmax_grad=rel(k.softmax_grad(x, t, lse, grad), k.softmax_grad_reference(x, t, lse, grad)))
     wide = torch.randn(3, 2, V + 5, generator=gen) * 4
     target = torch.randint(0, V, (3, 2), generator=gen)
     target[0, 0] = V - 1
@@ -374,14 +376,14 @@ def _gather_sum() -> dict:
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         src = wide[:, :h].contiguous().to(dt)
         got = k._launch(src, idx)
-        out[str(dt)[6:]] = dict(vs_reference=_rel(got, k.gather_sum_reference(src, idx)),
-                                vs_fp64=_rel(got, src.double()[idx].sum(1)), dtype_kept=got.dtype == dt)
+        out[str(dt)[6:]] = dict(vs_reference=rel(got, k.gather_sum_reference(src, idx)),
+                                vs_fp64=rel(got, src.double()[idx].sum(1)), dtype_kept=got.dtype == dt)
     strided = wide[:, :h]
-    out["strided"] = _rel(k._launch(strided, idx), k.gather_sum_reference(strided, idx))
+    out["strided"] = rel(k._launch(strided, idx), k.gather_sum_reference(strided, idx))
     rows = torch.randint(0, N, (T,), generator=gen)
     out["k1_bitwise"] = bool(torch.equal(k._launch(strided, rows.view(-1, 1)), strided.index_select(0, rows)))
     narrow = wide[:, :1].contiguous()
-    out["h1"] = _rel(k._launch(narrow, idx[:, :2]), k.gather_sum_reference(narrow, idx[:, :2]))
+    out["h1"] = rel(k._launch(narrow, idx[:, :2]), k.gather_sum_reference(narrow, idx[:, :2]))
     return out
 
 
@@ -414,7 +416,7 @@ def _grouped_wgrad() -> dict:
             lo = hi
         ref = start.clone()
         k.grouped_wgrad_accum_reference(x, dyd, offs, ref)
-        out[str(dt)[6:]] = dict(vs_fp64=_rel(got, want), vs_reference=_rel(got, ref),
+        out[str(dt)[6:]] = dict(vs_fp64=rel(got, want), vs_reference=rel(got, ref),
                                 empty_group_unchanged=bool(torch.equal(got[1], start[1])))
     return out
 
@@ -446,7 +448,7 @@ def _adam() -> dict:
             unchanged &= bool(torch.equal(g, g0))
             k.adam_step_reference(*ref[:1], g, *ref[1:], s)
         step_of = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}[dt]
-        out[tag] = dict(weight=_rel(got[0], ref[0]), exp_avg=_rel(got[1], ref[1]), exp_avg_sq=_rel(got[2], ref[2]),
+        out[tag] = dict(weight=rel(got[0], ref[0]), exp_avg=rel(got[1], ref[1]), exp_avg_sq=rel(got[2], ref[2]),
                         out_steps=float(((o.double() - got[0].double()).abs() / got[0].double().abs()).max()
                                         / (2 * step_of)),
                         grad_unchanged=unchanged)

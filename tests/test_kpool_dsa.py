@@ -4,7 +4,6 @@ Packed rows are compared with HF run on every document separately (HF has no pac
 """
 
 import os
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from megatron_glm5.kernels.indexer_scores import stable_topk_reference, tie_orde
 from megatron_glm5.models.kpool_indexer import KPoolIndexer
 
 from megatron_glm5.models.packing import make_packed_seq_params
+from tests.helpers import free_port
 from megatron.core.transformer.spec_utils import build_module
 
 # Config variants (HF text-config overrides); tiny_hf_config has 4 attention heads, 8 indexer heads, kpool 4, topk 8.
@@ -567,7 +567,4 @@ def _tp_worker(rank, world, port):
 
 def test_tensor_parallel_2_matches_hf():
     """TP = 2 (2 gloo processes): heads sharded, both backends, forward and gradients vs HF per document."""
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    mp.start_processes(_tp_worker, args=(2, port), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")

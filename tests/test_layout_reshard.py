@@ -2,20 +2,14 @@
 loads at TP1 equal to the HF checkpoint loaded directly at TP1."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import free_port
 
 LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _save_worker(rank, world, port, hf_dir, out, layout):
@@ -65,7 +59,7 @@ def test_saved_at_other_layout_loads_at_tp1(name, hf_ckpt, tmp_path, mcore):
 
     out = str(tmp_path / name)
     os.makedirs(out)
-    mp.start_processes(_save_worker, args=(2, _port(), hf_ckpt, out, LAYOUTS[name]), nprocs=2, join=True,
+    mp.start_processes(_save_worker, args=(2, free_port(), hf_ckpt, out, LAYOUTS[name]), nprocs=2, join=True,
                        start_method="spawn")
 
     def fresh():

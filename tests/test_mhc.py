@@ -16,6 +16,7 @@ from megatron_glm5.models.mhc import (
     sinkhorn_normalize,
     streams_view,
 )
+from tests.helpers import rel
 
 
 def _configs(n, iters):
@@ -24,10 +25,6 @@ def _configs(n, iters):
     ours = Glm5Config.from_hf(d)
     hf = transformers.Glm5NextTextConfig(**d["text_config"])
     return ours, hf
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _close(a, b, tol):
@@ -74,9 +71,9 @@ def test_hyper_connection_matches_hf(n, iters):
     for p in ("fn", "base", "scale"):
         grads[p] = (getattr(ours, p).grad, getattr(hf, p).grad)
     for name, (go, gh) in grads.items():
-        assert _close(go, gh, 1e-5), (name, _rel(go, gh))
+        assert _close(go, gh, 1e-5), (name, rel(go, gh))
     print(f"n={n} iters={iters} fwd max-rel {diffs} grad rel-L2 "
-          + " ".join(f"{k}={_rel(*v):.2e}" for k, v in grads.items()))
+          + " ".join(f"{k}={rel(*v):.2e}" for k, v in grads.items()))
 
 
 def test_pass_streams_returns_the_input_on_the_torch_path():
@@ -290,7 +287,7 @@ def test_fused_mhc_matches_reference_gpu(n, h, tokens, dtype, stream_grad_fusion
     assert fused_mhc.HAVE_TRITON
     for name, o, r, e in zip(names, out, ref, exact):
         assert torch.isfinite(o).all(), name
-        err, err_ref = _rel(o, e), _rel(r, e)
+        err, err_ref = rel(o, e), rel(r, e)
         print(f"{dtype} n={n} h={h} T={tokens} {name}: fused {err:.1e} (torch path {err_ref:.1e})")
         if dtype == torch.float32:
             assert err < 2e-5, (name, err)
@@ -337,7 +334,7 @@ def test_fused_apply_output_backward_gpu(n, h, tokens, rows, columns, dtype, mon
         assert f.shape == e.shape and torch.isfinite(f).all(), name
         if tokens == 0:
             continue
-        err, err_ref = _rel(f, e), _rel(r, e)
+        err, err_ref = rel(f, e), rel(r, e)
         print(f"n={n} h={h} T={tokens} rows={rows} columns={columns} {dtype} {name}: fused {err:.1e} "
               f"(fp32 {err_ref:.1e})")
         if dtype == torch.bfloat16 and name in ("new", "d_y", "d_streams"):
@@ -380,4 +377,4 @@ def test_fused_mhc_weights_match_reference_gpu(n, iters, tokens, programs_per_sm
     for name, o, r in zip(("pre", "post", "comb", "d_mixes", "d_base", "d_scale"), out, ref):
         assert o.shape == r.shape and torch.isfinite(o).all(), name
         if tokens:
-            assert _rel(o, r) < 2e-6, (name, _rel(o, r))
+            assert rel(o, r) < 2e-6, (name, rel(o, r))

@@ -18,7 +18,7 @@ from megatron_glm5.data.synthetic import cu_seqlens_of, packed_documents
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_context_parallel import _env, _rel, spawn  # noqa: E402
+from tests.helpers import rel_max, spawn  # noqa: E402
 
 LENS = (3, 30, 5, 7)
 STEPS = 3
@@ -111,61 +111,54 @@ def reference(tmp_path_factory, mcore):
     return ckpt, path
 
 
-def _worker(rank, world, port, q, ckpt, ref_path, tp, cp):
-    _env(rank, world, port)
-    try:
-        from megatron.core import parallel_state as ps
+def _worker(ckpt, ref_path, tp, cp):
+    from megatron.core import parallel_state as ps
 
-        from megatron_glm5.checkpoint.hf_keys import canonical_name, mcore_to_hf
-        from megatron_glm5.data.context_parallel import split_batch_for_cp
-        from megatron_glm5.initialize import destroy_megatron, initialize_megatron
-        from test_convert_hf_to_mcore import _tp_shard
+    from megatron_glm5.checkpoint.hf_keys import canonical_name, mcore_to_hf
+    from megatron_glm5.data.context_parallel import split_batch_for_cp
+    from megatron_glm5.initialize import initialize_megatron
+    from test_convert_hf_to_mcore import _tp_shard
 
-        initialize_megatron(tp=tp, cp=cp)
-        model = _build(ckpt, tp=tp, cp=cp)
-        if tp > 1:  # megatron's MoELayer refuses TP without sequence parallelism in training mode (and DSA has no
-            model.eval()  # sequence parallelism on this branch yet); eval mode computes the same gradients
-        local, psp = split_batch_for_cp(_batch(), cp, ps.get_context_parallel_rank(), model.config)
-        got, weights = _train(model, local, psp)
-        ref, ref_weights = torch.load(ref_path)
-        params = {canonical_name(n, model): p for n, p in model.named_parameters()}
+    initialize_megatron(tp=tp, cp=cp)
+    model = _build(ckpt, tp=tp, cp=cp)
+    if tp > 1:  # megatron's MoELayer refuses TP without sequence parallelism in training mode (and DSA has no
+        model.eval()  # sequence parallelism on this branch yet); eval mode computes the same gradients
+    local, psp = split_batch_for_cp(_batch(), cp, ps.get_context_parallel_rank(), model.config)
+    got, weights = _train(model, local, psp)
+    ref, ref_weights = torch.load(ref_path)
+    params = {canonical_name(n, model): p for n, p in model.named_parameters()}
 
-        def worst(tensors, ref_tensors):
-            out = (0.0, "")
-            for name, t in tensors.items():
-                if tp > 1 and ".mlp.experts." in name:
-                    continue  # TP without SP: megatron's MoE gives routed experts twice the gradient (at CP 1 too)
-                want = ref_tensors[name]
-                if tp > 1:
-                    want = _tp_shard(want, t, params[name], len(mcore_to_hf(name, model.config.num_layers)),
-                                     ps.get_tensor_model_parallel_rank(), tp)
-                out = max(out, (_rel(t, want), name))
-            return out
+    def worst(tensors, ref_tensors):
+        out = (0.0, "")
+        for name, t in tensors.items():
+            if tp > 1 and ".mlp.experts." in name:
+                continue  # TP without SP: megatron's MoE gives routed experts twice the gradient (at CP 1 too)
+            want = ref_tensors[name]
+            if tp > 1:
+                want = _tp_shard(want, t, params[name], len(mcore_to_hf(name, model.config.num_layers)),
+                                 ps.get_tensor_model_parallel_rank(), tp)
+            out = max(out, (rel_max(t, want), name))
+        return out
 
-        errs = {}
-        for step, ((loss, mtp, _), (rloss, rmtp, _)) in enumerate(zip(got, ref)):
-            errs[f"step{step} lm loss"] = abs(loss - rloss) / abs(rloss)
-            errs[f"step{step} mtp loss"] = abs(mtp - rmtp) / abs(rmtp)
-        # gradients at the first step (later steps start from weights that differ by rounding, and this model's
-        # gradients move ~1e-4 for weight changes of that size); the weights after all steps
-        err, name = worst(got[0][2], ref[0][2])
-        errs[f"step0 grad (worst: {name})"] = err
-        err, name = worst(weights, ref_weights)
-        errs[f"weights after {STEPS} steps (worst: {name})"] = err
-        errs["n_params"] = -float(len(weights))
-        q.put((rank, (errs, [s[0] for s in got])))
-        destroy_megatron()
-    except Exception:  # pragma: no cover - reported to the parent
-        import traceback
-
-        q.put((rank, traceback.format_exc()))
+    errs = {}
+    for step, ((loss, mtp, _), (rloss, rmtp, _)) in enumerate(zip(got, ref)):
+        errs[f"step{step} lm loss"] = abs(loss - rloss) / abs(rloss)
+        errs[f"step{step} mtp loss"] = abs(mtp - rmtp) / abs(rmtp)
+    # gradients at the first step (later steps start from weights that differ by rounding, and this model's
+    # gradients move ~1e-4 for weight changes of that size); the weights after all steps
+    err, name = worst(got[0][2], ref[0][2])
+    errs[f"step0 grad (worst: {name})"] = err
+    err, name = worst(weights, ref_weights)
+    errs[f"weights after {STEPS} steps (worst: {name})"] = err
+    errs["n_params"] = -float(len(weights))
+    return (errs, [s[0] for s in got])
 
 
 def _run(reference, tp, cp):
     ckpt, ref_path = reference
     results = spawn(_worker, tp * cp, ckpt, ref_path, tp, cp, timeout=600)
     worst = {}
-    for rank, (errs, losses) in sorted(results.items()):
+    for errs, _ in results:
         for k, v in errs.items():
             worst[k] = max(worst.get(k, -1e9), v)
     print(f"\n[tp{tp} cp{cp}] lm loss " + " ".join(f"{x:.6f}" for x in results[0][1]))

@@ -22,12 +22,10 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import rel
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _selection(lens, kpool: int, index_topk: int, gen: torch.Generator, holes: float = 0.25) -> torch.Tensor:
@@ -132,13 +130,13 @@ def _interpreter_checks() -> dict:
     n_sel = index_topk // kpool
     got = pool_mass.sparse_pool_mass(q_lat, c, idx, lse, scale, kpool, index_topk)
     ref = pool_mass.sparse_pool_mass_reference(q_lat, c, idx, scale, kpool, n_sel, lse)
-    out["sparse_mass"] = _rel(got, ref)
+    out["sparse_mass"] = rel(got, ref)
     out["sparse_mass_nonzero"] = int((ref > 0).sum())
     for tag, (a, e) in (("row", (0, s)), ("chunk", (9, 41))):
         lo, hi = feats.candidate_range(a, e)
         got, vis = il.dense_pool_mass(feats, q_lat, c, scale, a, e, lo, hi, fused=True)
         ref, ref_vis = il.dense_pool_mass(feats, q_lat, c, scale, a, e, lo, hi, fused=False)
-        out[f"dense_mass_{tag}"] = _rel(got, ref)
+        out[f"dense_mass_{tag}"] = rel(got, ref)
         out[f"dense_visible_equal_{tag}"] = bool(torch.equal(vis, ref_vis))
         out[f"dense_rows_without_candidate_{tag}"] = int((~vis.any(-1)).sum())
 
@@ -147,10 +145,10 @@ def _interpreter_checks() -> dict:
     pools_reversed = idx[..., :index_topk].view(1, s, n_sel, kpool).flip(2).flatten(2)
     idx2 = torch.cat([idx, torch.cat([pools_reversed, idx[..., index_topk:]], -1)])   # row 2: pools in another order
     _, lse2 = sparse_mla_reference(q2, c2, idx2, scale, return_lse=True)
-    out["batch2_sparse_mass"] = _rel(pool_mass.sparse_pool_mass(q2, c2, idx2, lse2, scale, kpool, index_topk),
-                                     pool_mass.sparse_pool_mass_reference(q2, c2, idx2, scale, kpool, n_sel, lse2))
+    out["batch2_sparse_mass"] = rel(pool_mass.sparse_pool_mass(q2, c2, idx2, lse2, scale, kpool, index_topk),
+                                    pool_mass.sparse_pool_mass_reference(q2, c2, idx2, scale, kpool, n_sel, lse2))
     lo, hi = feats.candidate_range(9, 41)
-    out["batch2_dense_mass"] = _rel(il.dense_pool_mass(feats, q2, c2, scale, 9, 41, lo, hi, fused=True)[0],
+    out["batch2_dense_mass"] = rel(il.dense_pool_mass(feats, q2, c2, scale, 9, 41, lo, hi, fused=True)[0],
                                     il.dense_pool_mass(feats, q2, c2, scale, 9, 41, lo, hi, fused=False)[0])
 
     # the loss, values and the indexer's gradients: kernels vs the PyTorch path vs the whole-matrix reference
@@ -169,19 +167,19 @@ def _interpreter_checks() -> dict:
         tag = "sparse" if sparse else "dense"
         (kl_k, rows_k, g_k), (kl_t, rows_t, g_t) = grads["kernel"], grads["torch"]
         out[f"{tag}_rows"] = [rows_k, rows_t, int(ref_rows)]
-        out[f"{tag}_loss_vs_reference"] = _rel(kl_k, ref_kl)
-        out[f"{tag}_loss_vs_torch"] = _rel(kl_k, kl_t)
-        out[f"{tag}_grad_vs_torch"] = max(_rel(g_k[n], g_t[n]) for n in g_t)
+        out[f"{tag}_loss_vs_reference"] = rel(kl_k, ref_kl)
+        out[f"{tag}_loss_vs_torch"] = rel(kl_k, kl_t)
+        out[f"{tag}_grad_vs_torch"] = max(rel(g_k[n], g_t[n]) for n in g_t)
 
     # 16-bit inputs: fp16 (the interpreter's tl.dot multiplies bf16 operands as their uint16 bit patterns, Triton
     # 3.7.1; the kernel's code path is the same for both): 16-bit products, fp32 accumulation, against the fp32 target
     # of the same values
     qh, ch = q_lat.half(), c.half()
     _, lse_h = sparse_mla_reference(qh.float(), ch.float(), idx, scale, return_lse=True)
-    out["fp16_sparse_mass"] = _rel(pool_mass.sparse_pool_mass(qh, ch, idx, lse_h, scale, kpool, index_topk),
-                                   pool_mass.sparse_pool_mass_reference(qh, ch, idx, scale, kpool, n_sel, lse_h))
+    out["fp16_sparse_mass"] = rel(pool_mass.sparse_pool_mass(qh, ch, idx, lse_h, scale, kpool, index_topk),
+                                  pool_mass.sparse_pool_mass_reference(qh, ch, idx, scale, kpool, n_sel, lse_h))
     lo, hi = feats.candidate_range(0, s)
-    out["fp16_dense_mass"] = _rel(il.dense_pool_mass(feats, qh, ch, scale, 0, s, lo, hi, fused=True)[0],
+    out["fp16_dense_mass"] = rel(il.dense_pool_mass(feats, qh, ch, scale, 0, s, lo, hi, fused=True)[0],
                                   il.dense_pool_mass(feats, qh, ch, scale, 0, s, lo, hi, fused=False)[0])
     return out
 
@@ -248,12 +246,12 @@ def test_kernels_at_released_widths_gpu(dtype):
     ref = torch.cat([pool_mass.sparse_pool_mass_reference(q_lat[:, a:a + 256], c, idx[:, a:a + 256], scale, kpool,
                                           index_topk // kpool, lse[:, a:a + 256]) for a in range(0, s, 256)], 1)
     assert (ref > 0).sum() > s * 100                            # most of the 512 pool slots are in use
-    assert _rel(got, ref) <= tol, _rel(got, ref)
+    assert rel(got, ref) <= tol, rel(got, ref)
     a, e = 2900, 3300                                          # across the document boundary
     lo, hi = feats.candidate_range(a, e)
     got, _ = il.dense_pool_mass(feats, q_lat, c, scale, a, e, lo, hi, fused=True)
     ref, _ = il.dense_pool_mass(feats, q_lat, c, scale, a, e, lo, hi, fused=False)
-    assert _rel(got, ref) <= tol, _rel(got, ref)
+    assert rel(got, ref) <= tol, rel(got, ref)
     with torch.no_grad():
         for sparse in (True, False):
             kl_k, rows_k = il.kpool_indexer_kl(feats, q_lat, c, scale, 128 ** -0.5, idx, kpool, index_topk, sparse,
@@ -261,7 +259,7 @@ def test_kernels_at_released_widths_gpu(dtype):
             kl_t, rows_t = il.kpool_indexer_kl(feats, q_lat, c, scale, 128 ** -0.5, idx, kpool, index_topk, sparse,
                                                lse=lse if sparse else None, fused=False)
             assert int(rows_k) == int(rows_t) > 0
-            assert _rel(kl_k, kl_t) <= tol, (sparse, kl_k.item(), kl_t.item())
+            assert rel(kl_k, kl_t) <= tol, (sparse, kl_k.item(), kl_t.item())
 
 
 if __name__ == "__main__":

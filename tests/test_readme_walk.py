@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 
-from tests.training_harness import REPO, scalars
+from tests.training_harness import REPO, saved_iteration, scalars
 
 # README value -> the tiny run's
 SIZES = {"--seq-length": "64", "--global-batch-size": "4", "--train-iters": "6", "--save-interval": "2",
@@ -75,7 +75,7 @@ def test_readme_walk_resumes_where_it_stopped(tmp_path):
     first = []
     for line in run.stdout:
         first.append(line)
-        if "successfully saved checkpoint from iteration       4" in line:
+        if saved_iteration(line) == 4:
             os.killpg(run.pid, signal.SIGKILL)
             break
     run.wait(timeout=120)

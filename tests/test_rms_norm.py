@@ -6,10 +6,7 @@ import torch
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextRMSNorm
 
 from megatron_glm5.models.norms import RMSNorm
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+from tests.helpers import rel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,7 +96,7 @@ def test_fused_rms_norm_matches_reference_gpu(d, dtype):
             if not o.numel() or not e.abs().max() > 0:
                 assert torch.equal(o, r), (name, shape)  # zero rows: empty output / dx, zero dw
                 continue
-            err, err_ref = _rel(o, e), _rel(r, e)
+            err, err_ref = rel(o, e), rel(r, e)
             print(f"{dtype} {shape}{' (transposed)' if transposed else ''} {name}: fused {err:.1e} "
                   f"(torch path {err_ref:.1e})")
             if dtype == torch.float32:
@@ -128,7 +125,7 @@ def test_fused_rms_norm_persistent_grid_gpu(monkeypatch):
     small = _run(fused.fused_rms_norm, x, w, 1e-6, g)
     again = _run(fused.fused_rms_norm, x, w, 1e-6, g)
     assert torch.equal(default[0], small[0]) and torch.equal(default[1], small[1])
-    assert _rel(small[2], default[2]) < 1e-2  # bf16 dw: one rounding apart at most
+    assert rel(small[2], default[2]) < 1e-2  # bf16 dw: one rounding apart at most
     assert all(torch.equal(a, b) for a, b in zip(small, again))
     xa = x.clone().requires_grad_(True)  # frozen weight: no dw partials
     fused.fused_rms_norm(xa, w, 1e-6).backward(g)
@@ -153,4 +150,4 @@ def test_rms_norm_module_fused_path_gpu():
         norm.plan = norm.plan.replace(rms_norm_fused=False)
         y_ref = norm(x)
         assert y.dtype == y_ref.dtype == torch.promote_types(x.dtype, wdtype)
-        assert _rel(y, y_ref) < 5e-3
+        assert rel(y, y_ref) < 5e-3

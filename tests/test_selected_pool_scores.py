@@ -26,7 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from test_pool_mass import _features, _rel, released_width_case, run_on_the_interpreter  # noqa: E402
+from test_pool_mass import _features, released_width_case, run_on_the_interpreter  # noqa: E402
+
+from tests.helpers import rel  # noqa: E402
 
 
 def _random_case(b, s, H, D, P, n, gen, device="cpu"):
@@ -57,8 +59,8 @@ def _compare(q, keys, w, sel, dout, scale) -> dict:
         out.backward(dout)
         res[name] = [out.detach()] + [t.grad for t in leaves]
     k, t = res["kernel"], res["torch"]
-    return dict(logits=_rel(k[0], t[0]), dq=_rel(k[1].float(), t[1].float()), dkeys=_rel(k[2], t[2]),
-                dweights=_rel(k[3], t[3]), unused_logits_zero=bool((k[0][sel < 0] == 0).all()),
+    return dict(logits=rel(k[0], t[0]), dq=rel(k[1].float(), t[1].float()), dkeys=rel(k[2], t[2]),
+                dweights=rel(k[3], t[3]), unused_logits_zero=bool((k[0][sel < 0] == 0).all()),
                 dq_dtype_kept=k[1].dtype == q.dtype, relu_zeros=int((t[0] == 0).sum()))
 
 
@@ -95,8 +97,8 @@ def _interpreter_checks() -> dict:
             kl.backward()
             got[fused] = (kl.detach(), int(rows), {n: t.grad.clone() for n, t in vars(leaf).items()})
         tag = f"loss_cut{row_length}" if row_length else "loss"
-        out[tag] = dict(rows=[got[True][1], got[False][1]], kl=_rel(got[True][0], got[False][0]),
-                        grads=max(_rel(got[True][2][n], got[False][2][n]) for n in got[False][2]),
+        out[tag] = dict(rows=[got[True][1], got[False][1]], kl=rel(got[True][0], got[False][0]),
+                        grads=max(rel(got[True][2][n], got[False][2][n]) for n in got[False][2]),
                         kl_value=float(got[False][0]))
     return out
 
@@ -165,9 +167,9 @@ def test_released_widths_gpu(dtype):
         kl.backward()
         got[fused] = (kl.detach(), int(rows), {n: t.grad.clone() for n, t in vars(leaf).items()})
     assert got[True][1] == got[False][1] > 0
-    assert _rel(got[True][0], got[False][0]) <= 1e-5, (got[True][0].item(), got[False][0].item())
+    assert rel(got[True][0], got[False][0]) <= 1e-5, (got[True][0].item(), got[False][0].item())
     for n in got[False][2]:
-        assert _rel(got[True][2][n], got[False][2][n]) <= 3e-3, (n, _rel(got[True][2][n], got[False][2][n]))
+        assert rel(got[True][2][n], got[False][2][n]) <= 3e-3, (n, rel(got[True][2][n], got[False][2][n]))
 
 
 if __name__ == "__main__":

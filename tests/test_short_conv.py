@@ -6,10 +6,7 @@ import torch
 
 from megatron_glm5.kernels.documents import document_starts
 from megatron_glm5.models.packing import make_packed_seq_params, row_document_starts
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+from tests.helpers import rel
 
 
 @pytest.mark.parametrize("cu", [None, [0, 7], [0, 1, 2, 30, 31, 57]])
@@ -61,11 +58,11 @@ def test_kernel_matches_reference(dtype, b, s, c, width, cu):
     (y, dx, dw), (y_ref, dx_ref, dw_ref) = outs
     assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == torch.float32
     tol = 2e-6 if dtype == torch.float32 else 8e-3
-    print(f"short conv {dtype} {b}x{s}x{c} W={width}: y {_rel(y, y_ref):.1e} dx {_rel(dx, dx_ref):.1e} "
-          f"dw {_rel(dw, dw_ref):.1e}")
-    assert _rel(y, y_ref) < tol
-    assert _rel(dx, dx_ref) < tol
-    assert _rel(dw, dw_ref) < (2e-6 if dtype == torch.float32 else 5e-3)
+    print(f"short conv {dtype} {b}x{s}x{c} W={width}: y {rel(y, y_ref):.1e} dx {rel(dx, dx_ref):.1e} "
+          f"dw {rel(dw, dw_ref):.1e}")
+    assert rel(y, y_ref) < tol
+    assert rel(dx, dx_ref) < tol
+    assert rel(dw, dw_ref) < (2e-6 if dtype == torch.float32 else 5e-3)
 
 
 @pytest.mark.parametrize("width, expect", [(4, "triton"), (2, "triton"), (5, "fla")])

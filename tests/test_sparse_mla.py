@@ -12,12 +12,9 @@ import torch
 
 from megatron_glm5.config import Glm5Config, tiny_hf_config
 from megatron_glm5.models.packing import make_packed_seq_params
+from tests.helpers import rel
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _random_selection(b, s, W, gen, hole_frac=0.2):
@@ -59,7 +56,7 @@ def test_kernel_matches_reference(dtype, b, s, H, R, W):
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
     assert out[:, 3].abs().max() == 0  # empty rows are zero
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
-    e_o, e_q, e_k = _rel(out, ref), _rel(q.grad, qd.grad), _rel(kv.grad, kd.grad)
+    e_o, e_q, e_k = rel(out, ref), rel(q.grad, qd.grad), rel(kv.grad, kd.grad)
     print(f"{dtype} b={b} s={s} H={H} R={R} W={W}: out {e_o:.2e} dq {e_q:.2e} dkv {e_k:.2e}")
     assert e_o < tol and e_q < tol and e_k < 2 * tol
 
@@ -85,7 +82,7 @@ def test_fewer_queries_than_latent_rows(dtype, b, s, first, H, R, W):
     (out.float() * w).sum().backward()
     assert kv.grad.shape == kv.shape and q.grad.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
-    e_o, e_q, e_k = _rel(out, ref), _rel(q.grad, qd.grad), _rel(kv.grad, kd.grad)
+    e_o, e_q, e_k = rel(out, ref), rel(q.grad, qd.grad), rel(kv.grad, kd.grad)
     print(f"{dtype} b={b} queries {first}..{s - 1} of {s}: out {e_o:.2e} dq {e_q:.2e} dkv {e_k:.2e}")
     assert e_o < tol and e_q < tol and e_k < 2 * tol
 
@@ -116,7 +113,7 @@ def test_kernel_reads_head_major_queries_and_gradients(dtype, b, s, H, R, W):
 
     (o_c, dq_c, dkv_c), (o_h, dq_h, dkv_h) = run(False), run(True)
     assert torch.equal(o_h, o_c) and torch.equal(dq_h, dq_c)
-    assert _rel(dkv_h, dkv_c) < (1e-6 if dtype == torch.float32 else 2e-3)
+    assert rel(dkv_h, dkv_c) < (1e-6 if dtype == torch.float32 else 2e-3)
 
 
 @pytest.mark.parametrize("b,s,H,R,W", [(1, 200, 16, 64, 45), (1, 160, 64, 512, 150)])
@@ -142,14 +139,14 @@ def test_fused_backward_in_bf16(monkeypatch, b, s, H, R, W):
         dq, dkv = sm._sparse_mla_bwd(go, q, kv, o, lse, idx_f, n_end, scale)
         assert torch.isfinite(dq).all() and torch.isfinite(dkv).all(), name
         results[name] = (dq, dkv)
-        e_q, e_k = _rel(dq, qd.grad), _rel(dkv, kd.grad)
+        e_q, e_k = rel(dq, qd.grad), rel(dkv, kd.grad)
         print(f"{name} H={H} R={R}: dq {e_q:.2e} dkv {e_k:.2e}")
         assert e_q < 1.5e-2 and e_k < 3e-2, name
     # dkv is summed with fp32 atomics in no fixed order, then rounded to bf16: a few elements land one bf16 step
     # (2^-8 relative) apart between runs (~3e-5 in norm on an H100); a work item left out moves it by
     # far more
-    assert _rel(results["split, 3 programs"][1], results["split"][1]) < 5e-4
-    assert _rel(results["split"][1], results["fused"][1]) < 1e-2
+    assert rel(results["split, 3 programs"][1], results["split"][1]) < 5e-4
+    assert rel(results["split"][1], results["fused"][1]) < 1e-2
 
 
 def _dsa_pair(dtype, **over):
@@ -199,12 +196,12 @@ def test_fused_backend_matches_torch_backend(mcore, dtype, lens, tail):
     assert torch.equal(res[0][1], res[1][1])  # the same selection
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     assert torch.isfinite(res[1][0]).all() and torch.isfinite(res[1][2]).all()
-    assert _rel(res[1][0], res[0][0]) < tol
-    assert _rel(res[1][2], res[0][2]) < tol
+    assert rel(res[1][0], res[0][0]) < tol
+    assert rel(res[1][2], res[0][2]) < tol
     assert res[0][3].keys() == res[1][3].keys()
     for n in res[0][3]:
         assert torch.isfinite(res[1][3][n]).all(), n
-        assert _rel(res[1][3][n], res[0][3][n]) < 2 * tol, n
+        assert rel(res[1][3][n], res[0][3][n]) < 2 * tol, n
 
 
 def test_memory_is_linear_in_sequence_length(mcore):

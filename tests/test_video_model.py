@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_glm5.data.synthetic import cu_seqlens_of
+from tests.helpers import rel_max
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -128,13 +129,9 @@ def _mm(batch):
             if k in batch}
 
 
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def check_logits(got, ref32, ref64, label):
     """``got`` fp32 [s, vocab] against transformers' fp32 and fp64 logits (the bounds of the module docstring)."""
-    ours64, hf64, ours32 = _rel(got, ref64), _rel(ref32, ref64), _rel(got, ref32)
+    ours64, hf64, ours32 = rel_max(got, ref64), rel_max(ref32, ref64), rel_max(got, ref32)
     top1 = (got.argmax(-1) == ref32.argmax(-1)).float().mean().item()
     print(f"\n[video parity, {label}] max|dlogit| / max|logit|: ours fp32 vs transformers fp64 {ours64:.2e}, "
           f"transformers fp32 vs fp64 {hf64:.2e}, ours fp32 vs transformers fp32 {ours32:.2e}; top-1 {top1:.1%}")
@@ -187,7 +184,7 @@ def test_video_logits_match_transformers(tiny_ckpt, inputs, mcore):
     with torch.no_grad():
         other = dict(_mm(docs[2]), pixel_values_videos=docs[2]["pixel_values_videos"].flip(0))
         moved = ours(docs[2]["input_ids"], **other)[0]
-    assert _rel(moved, hf_logits(hf32, docs[2:3])) > 1e-3
+    assert rel_max(moved, hf_logits(hf32, docs[2:3])) > 1e-3
 
 
 def test_hf_forward_tool_takes_video(tiny_ckpt, inputs, tmp_path, mcore):
@@ -209,7 +206,7 @@ def test_hf_forward_tool_takes_video(tiny_ckpt, inputs, tmp_path, mcore):
         got = torch.load(out)["logits"][0]
         ref = hf_logits(hf32, ref_docs)
         assert got.shape == ref.shape and got.dtype == torch.float32
-        assert _rel(got, ref) <= TOL_FP32, name
+        assert rel_max(got, ref) <= TOL_FP32, name
         assert bool((got.argmax(-1) == ref.argmax(-1)).all()), name
 
 
@@ -308,32 +305,24 @@ def cp_reference(tmp_path_factory, mcore):
     return ckpt, paths
 
 
-def _cp_worker(rank, world, port, q, ckpt, row_path, ref_path):
-    from test_context_parallel import _env, _rel
+def _cp_worker(ckpt, row_path, ref_path):
+    world = int(os.environ["WORLD_SIZE"])
+    from megatron.core import parallel_state as ps
 
-    _env(rank, world, port)
-    try:
-        from megatron.core import parallel_state as ps
+    from megatron_glm5.data.context_parallel import split_batch_for_cp
+    from megatron_glm5.initialize import initialize_megatron
+    from test_parallel_cp import _build, _train
 
-        from megatron_glm5.data.context_parallel import split_batch_for_cp
-        from megatron_glm5.initialize import destroy_megatron, initialize_megatron
-        from test_parallel_cp import _build, _train
-
-        initialize_megatron(tp=1, cp=world)
-        model = _build(ckpt, cp=world)
-        local, psp = split_batch_for_cp(torch.load(row_path), world, ps.get_context_parallel_rank(), model.config)
-        got, weights = _train(model, local, psp, steps=2)
-        ref, ref_weights = torch.load(ref_path)
-        errs = {f"step{i} lm loss": abs(g[0] - r[0]) / abs(r[0]) for i, (g, r) in enumerate(zip(got, ref))}
-        errs["step0 grad"] = max(_rel(g, ref[0][2][n]) for n, g in got[0][2].items())
-        errs["vision grad"] = max(_rel(g, ref[0][2][n]) for n, g in got[0][2].items() if "vision_model" in n)
-        errs["weights"] = max(_rel(w, ref_weights[n]) for n, w in weights.items())
-        q.put((rank, (errs, psp.video_span_depth, psp.video_token_offset, [s[0] for s in got])))
-        destroy_megatron()
-    except Exception:  # pragma: no cover - reported to the parent
-        import traceback
-
-        q.put((rank, traceback.format_exc()))
+    initialize_megatron(tp=1, cp=world)
+    model = _build(ckpt, cp=world)
+    local, psp = split_batch_for_cp(torch.load(row_path), world, ps.get_context_parallel_rank(), model.config)
+    got, weights = _train(model, local, psp, steps=2)
+    ref, ref_weights = torch.load(ref_path)
+    errs = {f"step{i} lm loss": abs(g[0] - r[0]) / abs(r[0]) for i, (g, r) in enumerate(zip(got, ref))}
+    errs["step0 grad"] = max(rel_max(g, ref[0][2][n]) for n, g in got[0][2].items())
+    errs["vision grad"] = max(rel_max(g, ref[0][2][n]) for n, g in got[0][2].items() if "vision_model" in n)
+    errs["weights"] = max(rel_max(w, ref_weights[n]) for n, w in weights.items())
+    return (errs, psp.video_span_depth, psp.video_token_offset, [s[0] for s in got])
 
 
 def test_video_row_cp2_equals_one_rank(cp_reference):
@@ -341,7 +330,7 @@ def test_video_row_cp2_equals_one_rank(cp_reference):
     a video: every rank runs the vision tower on the row's images and videos and splices its chunk's features; the
     lm loss of 2 SGD steps, the first step's gradients of every parameter (the vision tower's included, averaged
     over CP) and the weights after the steps equal one rank's on the whole row."""
-    from test_context_parallel import spawn
+    from tests.helpers import spawn
 
     ckpt, (row_path, ref_path) = cp_reference
     results = spawn(_cp_worker, 2, ckpt, row_path, ref_path, timeout=600)

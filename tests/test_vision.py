@@ -15,10 +15,7 @@ from megatron_glm5.models.vision import (
     vision_cu_seqlens,
     vision_position_ids,
 )
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+from tests.helpers import rel
 
 
 def _build(vision_cfg: Glm5VisionConfig = None, seed=0):
@@ -61,7 +58,7 @@ def _compare(ours, hf, vc, grid, seed=0, label=""):
     worst = ("", 0.0)
     for name, p in ours.named_parameters():
         assert p.grad is not None, name
-        r = _rel(p.grad, hp[name].grad)
+        r = rel(p.grad, hp[name].grad)
         worst = max(worst, (name, r), key=lambda t: t[1])
         assert r <= 1e-4, (name, r)
     print(f"{label} grid={grid.tolist()} fwd max|diff|/max|ref|={fwd:.2e} worst param-grad rel-L2 {worst[0]}={worst[1]:.2e}")

@@ -4,9 +4,10 @@ wrote: TensorBoard scalars and torch_dist checkpoints."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -38,6 +39,39 @@ def run(args: List[str], script: str = PRETRAIN, timeout: int = 900, env: Option
 def error_lines(proc: subprocess.CompletedProcess) -> List[str]:
     """The non-empty stderr lines (``run`` silences Python warnings, so these are the program's own)."""
     return [ln for ln in proc.stderr.splitlines() if ln.strip()]
+
+
+_ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
+_SAVED_LINE = re.compile(r"\bsuccessfully saved checkpoint from iteration\s+(\d+)\b")
+
+
+def log_iterations(text: str) -> List[Dict[str, Union[int, float, str]]]:
+    """Megatron-LM's training log lines (``iteration    4/   10 | consumed samples:   16 | lm loss: 1.2E+00 | ...``)
+    of ``text``, in order, as ``{"iteration": 4, "train iters": 10, "consumed samples": 16.0, "lm loss": 1.2, ...}``:
+    every ``name: value`` field, its value a float where it reads as one (whatever the column padding)."""
+    out = []
+    for line in text.splitlines():
+        m = _ITERATION_LINE.search(line)
+        if m is None:
+            continue
+        fields: Dict[str, Union[int, float, str]] = {"iteration": int(m.group(1)), "train iters": int(m.group(2))}
+        for part in m.group(3).split("|"):
+            name, sep, value = part.rpartition(":")
+            if not sep or not name.strip():
+                continue
+            value = value.strip()
+            try:
+                fields[name.strip()] = float(value)
+            except ValueError:
+                fields[name.strip()] = value
+        out.append(fields)
+    return out
+
+
+def saved_iteration(line: str) -> Optional[int]:
+    """The iteration of Megatron-LM's ``successfully saved checkpoint from iteration N ...`` line, else None."""
+    m = _SAVED_LINE.search(line)
+    return None if m is None else int(m.group(1))
 
 
 def scalars(tb_dir: str) -> Dict[str, List[Tuple[int, float]]]:
