@@ -15,8 +15,8 @@ checkpoint (``--pretrained-checkpoint``, so that every layout starts from the sa
 - the resume: a fresh save folder holding only the straight run's step-2 checkpoint (the state a run killed right
   after that save leaves), the same command with ``--load``: steps 3-4 give bitwise the straight run's losses, and
   its step-4 checkpoint bitwise the straight run's weights and optimizer state;
-- a 2-rank cell: its per-step ``lm loss`` within 1e-5 relative of the same cell at 1 rank (a 1-rank run of the
-  cell's other values, shared by the cells that have them);
+- a 2-rank cell: its per-step ``lm loss`` within 1e-5 relative of the same cell at 1 rank in fp32, within bf16's
+  unit roundoff 2**-8 in bf16 (a 1-rank run of the cell's other values, shared by the cells that have them);
 - the export: ``convert_mcore_to_hf`` of the final checkpoint, in process; the exported tensors, built into this
   project's model (``build_model_from_hf``), are bitwise the checkpoint's weights, and transformers' logits on the
   export equal the model's (``tools/hf_forward.py``) to 1e-4 of their peak, as tests/test_model_parity.py checks.
@@ -112,7 +112,8 @@ def cell_dict(cell: Sequence[str]) -> Dict[str, str]:
 # Known failures (fixed on other branches; flip to passing once merged): (predicate, reason).
 KNOWN_FAILURES = [
     (lambda c: c["precision"] == "bf16" and c["optimizer"] == "plain",
-     "bf16 + the plain (non-distributed) optimizer cannot save its checkpoint"),
+     "bf16 + the plain optimizer cannot save: 'the checkpoint of iteration 2 could not be written (Optimizer "
+     "shape ((32,) does not match model shape ((48,))' (exit 1 at the first save)"),
 ]
 # Combinations the project refuses up front: (predicate, the one line on stderr).
 REFUSED: List[Tuple[object, str]] = []
@@ -175,6 +176,9 @@ def test_doc_table_is_the_cell_list():
 
 # ------------------------------------------------------------------------------------------------ fixtures
 STEPS, SAVE_AT = 4, 2
+# a 2-rank layout's losses against 1 rank: fp32 to 1e-5 relative; bf16 sums its partial results in another order
+# per layout, so to bf16's unit roundoff 2**-8 (measured: 3e-4 at TP2+SP, warm-up)
+LAYOUT_RTOL = {"fp32": 1e-5, "bf16": 2.0 ** -8}
 SEQ = {"mock": 32, "text": 32, "vqa": 96, "chat": 128, "energon": 128}
 LAYOUT_FLAGS = {"1rank": [], "tp2sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                 "pp2": ["--pipeline-model-parallel-size", "2"], "ep2": ["--expert-model-parallel-size", "2"],
@@ -343,7 +347,8 @@ def test_cell(cell, fixtures, tmp_path, mcore):
     if nproc > 1:
         ref = _reference_losses(cell, fixtures)
         rel = {i: abs(straight[i] - ref[i]) / abs(ref[i]) for i in ref}
-        assert sorted(ref) == sorted(straight) and max(rel.values()) <= 1e-5, (straight, ref)
+        assert sorted(ref) == sorted(straight) and max(rel.values()) <= LAYOUT_RTOL[cell_dict(cell)["precision"]], \
+            (straight, ref)
 
     _export_parity(a, tmp_path / "hf_export", tmp_path)
     print(f"\n[{cell_id(cell)}] {time.time() - t0:.0f} s")
