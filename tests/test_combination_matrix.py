@@ -341,7 +341,8 @@ def test_cell(cell, fixtures, tmp_path, mcore):
     assert sorted(after) == list(range(SAVE_AT + 1, STEPS + 1)) and all(after[i] == straight[i] for i in after), \
         (straight, after)
     sa, sb = (read_dist_checkpoint(str(d / f"iter_{STEPS:07d}")) for d in (a, b))
-    assert sa.keys() == sb.keys() and any(k.startswith("optimizer.") for k in sa)
+    assert sa.keys() == sb.keys() and any("exp_avg_sq" in k for k in sa)  # the Adam moments are saved (their
+    # names carry an "optimizer." prefix only in some of the distributed optimizer's formats)
     assert [k for k in sa if not torch.equal(sa[k], sb[k])] == []
 
     if nproc > 1:
