@@ -109,12 +109,8 @@ def cell_dict(cell: Sequence[str]) -> Dict[str, str]:
     return dict(zip(NAMES, cell))
 
 
-# Known failures (fixed on other branches; flip to passing once merged): (predicate, reason).
-KNOWN_FAILURES = [
-    (lambda c: c["precision"] == "bf16" and c["optimizer"] == "plain",
-     "bf16 + the plain optimizer cannot save: 'the checkpoint of iteration 2 could not be written (Optimizer "
-     "shape ((32,) does not match model shape ((48,))' (exit 1 at the first save)"),
-]
+# Known failures: (predicate, reason); a cell listed here is xfail(strict=True).
+KNOWN_FAILURES: List[Tuple[object, str]] = []
 # Combinations the project refuses up front: (predicate, the one line on stderr).
 REFUSED: List[Tuple[object, str]] = []
 
