@@ -140,7 +140,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     One CP rank (the usual case) or ``--calculate-per-token-loss``: (sum over loss tokens, their count, report);
     the schedule (or, per token, the gradient reduction) divides by the count. Under context parallelism without
     per-token loss: (this rank's share of the row's token mean, report), so that the gradient equals one rank's.
-    With ``--check-for-nan-in-loss-and-grad`` a NaN/inf loss goes to Megatron-LM's rerun state machine."""
+    With ``--check-for-nan-in-loss-and-grad`` a NaN/inf loss goes to Megatron-LM's rerun state machine.
+    ``--inject-nan-at-iteration`` (a testing aid) makes the loss NaN; in the indexer warm-up, whose LM loss reaches
+    no trained parameter, it also makes the indexer loss's backward scale NaN (megatron-core's
+    ``DSAIndexerLossAutoScaler``, set as the backward passes this loss, before it reaches any DSA layer), so that
+    the step's gradients are NaN as the LM loss's would be in any other run."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import get_rerun_state_machine
@@ -154,6 +158,20 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
     nan = args.curr_iteration + 1 in args.inject_nan_at_iteration
+
+    def injected(value: torch.Tensor) -> torch.Tensor:  # the loss the backward starts from, at a NaN iteration
+        if getattr(args, "dsa_indexer_warmup_stage", False) and value.requires_grad:
+            value.register_hook(nan_indexer_loss_scale)
+        return value
+
+    def nan_indexer_loss_scale(grad: torch.Tensor) -> torch.Tensor:
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+        scale = DSAIndexerLossAutoScaler.main_loss_backward_scale
+        DSAIndexerLossAutoScaler.set_loss_scale(grad.new_full((), float("nan")) if scale is None
+                                                else scale * float("nan"))
+        return grad
+
     if nan:
         loss = loss * float("nan")
     if args.check_for_nan_in_loss_and_grad:
@@ -165,8 +183,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     report = {"lm loss": torch.stack([loss.detach().clone(), num_tokens.detach().float()])}
     if parallel_state.get_context_parallel_world_size() > 1 and not args.calculate_per_token_loss:
         share = cp_token_mean(losses, mask, parallel_state.get_context_parallel_group())
-        return (share * float("nan") if nan else share), report
-    return loss, num_tokens, report
+        return (injected(share * float("nan")) if nan else share), report
+    return (injected(loss) if nan else loss), num_tokens, report
 
 
 def forward_step(data_iterator, model):

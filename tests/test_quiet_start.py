@@ -123,3 +123,54 @@ def test_make_tiny_data_names_its_output_not_its_temporary_folder(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"make_tiny_data: wrote {out / 'tokenizer.json'}, 4 text "
                                                    f"documents ({out / 'text_text_document'})"), lines
     assert (out / "text_text_document.idx").is_file()
+
+
+RELEASE_NOISE = ("TP size not found in checkpoint args", "PP size not found in checkpoint args",
+                 "Job sharding has changed", "could not find arguments in the checkpoint")
+
+
+def test_a_run_from_a_release_checkpoint_and_its_resume_print_no_layout_noise(tmp_path, mcore):
+    """A run from a release checkpoint (the converter's layout: weights and checkpoint_version, no run arguments,
+    RNG or rerun state) and the resume of its save: Megatron-LM's lines about the arguments, TP / PP size and job
+    sharding the release checkpoint lacks are not printed (quiet.QUIET_PRINTS), its load lines are."""
+    from tests.test_parallel_training import _initial_checkpoint
+
+    hf, init = _initial_checkpoint(tmp_path, "moe")
+    ck = str(tmp_path / "ck")
+    common = ["--hf-config", str(hf), "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
+              "--global-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "2", "--lr-decay-iters", "4",
+              "--min-lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--save", ck, "--save-interval", "100"]
+    first = run(common + ["--train-iters", "2", "--pretrained-checkpoint", str(init), "--trust-unverified-checkpoint"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"loading release distributed checkpoint from {init}" in first.stdout
+    second = run(common + ["--train-iters", "4", "--load", ck, "--use-checkpoint-opt_param-scheduler"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"loading distributed checkpoint from {ck} at iteration 2" in second.stdout
+    for proc in (first, second):
+        text = proc.stdout + proc.stderr
+        assert [n for n in RELEASE_NOISE if n in text] == [], text[-3000:]
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_release_checkpoint_lines_are_filtered_only_for_a_release_checkpoint(tmp_path, monkeypatch, capsys, release):
+    """megatron.training.checkpointing's print_rank_0 after quiet.install_prints: the QUIET_PRINTS lines are dropped
+    while --load names a release checkpoint, printed for an iteration checkpoint; other lines always print."""
+    import argparse
+
+    from megatron.training import checkpointing, global_vars
+
+    from megatron_glm5.training import quiet
+
+    (tmp_path / ("release" if release else "iter_0000002")).mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release" if release else "2")
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", argparse.Namespace(load=str(tmp_path), pretrained_checkpoint=None))
+    monkeypatch.setattr(checkpointing, "print_rank_0", checkpointing.print_rank_0)  # restored after the test
+    assert quiet.install_prints() and quiet.install_prints()  # idempotent: one filter over upstream's
+    lines = ["WARNING: TP size not found in checkpoint args, using 1 as default.",
+             "WARNING: PP size not found in checkpoint args, using 1 as default.",
+             "Job sharding has changed: Rerun state will be ignored", "could not find arguments in the checkpoint ...",
+             " checkpoint version 3.0"]
+    for line in lines:
+        checkpointing.print_rank_0(line)
+    out = capsys.readouterr().out.splitlines()
+    assert out == (lines[-1:] if release else lines), out

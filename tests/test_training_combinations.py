@@ -1,7 +1,8 @@
 """Training and checkpoint combinations through ``pretrain_glm5_vlm.py`` (issue 51): bf16 without the distributed
 optimizer saves and resumes bitwise (with and without the indexer warm-up), an HF checkpoint given to ``--load`` is
-refused, a config whose heads do not divide the width trains, a resume of another model function is refused, a
-warm-up whose every step was skipped fails, and a checkpoint without its manifest needs the flag that trusts it."""
+refused, a config whose heads do not divide the width trains, a resume of another model function is refused (a
+field one config leaves out at transformers' default), a warm-up whose every step was skipped fails (in process
+and through the script), and a checkpoint without its manifest needs the flag that trusts it."""
 
 from __future__ import annotations
 
@@ -150,6 +151,33 @@ def test_resume_of_another_model_function_is_refused(tmp_path, key, value):
         check_architecture(ckpt, run_cfg)
 
 
+@pytest.mark.parametrize("key, value", [("num_experts_per_tok", 1), ("routed_scaling_factor", 1.0),
+                                        ("swiglu_limit", 7.0)])
+@pytest.mark.parametrize("left_out", ["run", "checkpoint"])
+def test_a_field_one_config_leaves_out_compares_as_transformers_default(tmp_path, key, value, left_out):
+    """One config leaves the field out (transformers' default applies: Glm5NextTextConfig's), the other sets it to
+    another value: refused, naming the field with the default as the value of the side that leaves it out; the
+    other side set to the default itself: no refusal."""
+    from megatron_glm5.config import tiny_hf_config
+    from megatron_glm5.config.hf_defaults import HF_TEXT_DEFAULTS
+    from megatron_glm5.training.checkpoint_checks import CheckpointDirError, check_architecture
+
+    default = HF_TEXT_DEFAULTS[key]
+    assert value != default
+    run_cfg, saved = tiny_hf_config(mtp=True), tiny_hf_config(mtp=True)
+    without, with_it = (run_cfg, saved) if left_out == "run" else (saved, run_cfg)
+    without["text_config"].pop(key, None)
+    with_it["text_config"][key] = value
+    _fake_checkpoint(tmp_path / "ck", saved)
+    ckpt = str(tmp_path / "ck" / "iter_0000004")
+    there, here = (value, default) if left_out == "run" else (default, value)
+    with pytest.raises(CheckpointDirError, match=f"{key} is {there!r} there, {here!r} in this run's model config"):
+        check_architecture(ckpt, run_cfg)
+    with_it["text_config"][key] = default
+    (tmp_path / "ck" / "iter_0000004" / "hf_config.json").write_text(json.dumps(saved))
+    check_architecture(ckpt, run_cfg)
+
+
 def test_resume_of_another_model_function_is_one_line(tmp_path):
     """Through pretrain_glm5_vlm.py: the same refusal before any work, exit 2, naming --load."""
     from megatron_glm5.config import tiny_hf_config
@@ -193,3 +221,27 @@ def test_warmup_whose_every_step_was_skipped_is_not_saved(monkeypatch, updated, 
     else:
         save(iteration, model, optimizer, None)
         assert saves == [iteration]
+
+
+@pytest.mark.parametrize("nan_at", [[1, 2], [1]], ids=["every_step", "one_step"])
+def test_warmup_whose_every_step_is_nan_exits_1_without_its_checkpoint(tmp_path, nan_at):
+    """Through pretrain_glm5_vlm.py: --dsa-indexer-warmup 2 with --inject-nan-at-iteration (in the warm-up the NaN
+    reaches the indexer loss's gradient, the one loss it trains): each such step is skipped; when every step was,
+    the run exits 1 with one line naming the iteration and --save holds no tracked checkpoint; with one trained
+    step the warm-up's checkpoint of iteration 2 is written and the run exits 0."""
+    ck = tmp_path / "ck"
+    proc = run(TINY + ["--mock-data", "--train-iters", "4", "--dsa-indexer-loss-coeff", "1.0",
+                       "--dsa-indexer-warmup", "2", "--inject-nan-at-iteration", *map(str, nan_at), "--save", str(ck),
+                       "--save-interval", "100"])
+    skipped = [i for i in (1, 2) if f"iteration {i}: gradient norm nan: update skipped" in proc.stdout]
+    assert skipped == nan_at, proc.stdout[-3000:]
+    if nan_at == [1, 2]:
+        lines = error_lines(proc)
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+        assert lines[0].startswith(PROG) and "iteration 2: every iteration of this run's indexer warm-up (2) was " \
+                                              "skipped" in lines[0], lines
+        assert not (ck / "latest_checkpointed_iteration.txt").exists()
+    else:
+        _ok(proc)
+        assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        assert all(torch.isfinite(v).all() for v in _final(ck, 2).values() if v.is_floating_point())

@@ -36,8 +36,8 @@ ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", 
                      "v_head_dim", "linear_num_heads", "linear_head_dim", "hc_mult", "index_n_heads", "index_head_dim",
                      "layer_types", "mlp_layer_types", "n_shared_experts", "num_nextn_predict_layers",
                      "qk_rope_head_dim", "linear_conv_kernel_dim")
-# what an HF config without the key means (transformers' defaults)
-_ARCHITECTURE_DEFAULTS = {"num_nextn_predict_layers": 0}
+# what a null value means where transformers' default is null (the model reads ``or 0``; hf.py)
+_NULL_MEANS = {"num_nextn_predict_layers": 0}
 # the HF config fields that may differ between a checkpoint and the run that loads it: names, storage dtype, the
 # generation cache, the special-token ids of generation, the initialiser's width (a loaded model is not initialised)
 # and the position limit (no layer of this model reads positions: KDA and the NoPE DSA). Every other field may change
@@ -75,32 +75,59 @@ def _function_difference(saved: dict, run: dict, where: str = ""):
     return None
 
 
+def effective_hf_config(config: dict, where: str) -> dict:
+    """``config`` (an HF config dict: nested ``text_config`` / ``vision_config``, or a flat text config) with every
+    field at the value transformers gives it: loaded through ``Glm5NextConfig`` (a flat config as its
+    ``text_config``), so that a field one config leaves out compares as transformers' default. Nested, as
+    ``Glm5NextConfig.to_dict`` writes it; ``vision_config`` only when ``config`` has one. Raises
+    :class:`CheckpointDirError` naming ``where`` when transformers refuses the config."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+
+    from megatron_glm5.config.hf import check_hf_config_types
+    from megatron_glm5.errors import Glm5ConfigError
+
+    full = config if "text_config" in config else {
+        "text_config": {k: v for k, v in config.items() if k != "vision_config"},
+        **({"vision_config": config["vision_config"]} if "vision_config" in config else {})}
+    try:
+        check_hf_config_types(full)
+        resolved = Glm5NextConfig(**full).to_dict()
+    except (Glm5ConfigError, TypeError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointDirError(f"{where}: not a GLM-5.3 model config ({type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:200]})") from None
+    if "vision_config" not in config:
+        resolved.pop("vision_config", None)
+    for key, value in _NULL_MEANS.items():
+        if resolved["text_config"].get(key) is None:
+            resolved["text_config"][key] = value
+    return resolved
+
+
 def check_architecture(ckpt_dir: str, hf_config: dict) -> None:
     """Refuse a checkpoint whose ``hf_config.json`` describes another model than ``hf_config`` (one line naming the
-    first differing field and both values): the fields that change the tensors (:data:`ARCHITECTURE_KEYS`), then
-    every other field both hold but :data:`FREE_KEYS` (the vision tower's and the top level's too); a checkpoint
-    without ``hf_config.json`` is not checked here."""
+    first differing field and both values), both compared at their effective values (:func:`effective_hf_config`:
+    a field one of them leaves out is transformers' default): the fields that change the tensors
+    (:data:`ARCHITECTURE_KEYS`), then every other field but :data:`FREE_KEYS` (the vision tower's and, when both
+    are nested configs, the top level's too); a checkpoint without ``hf_config.json`` is not checked here."""
     path = os.path.join(ckpt_dir, HF_CONFIG_FNAME)
     if not os.path.isfile(path):
         return
-    saved = _json_object(path)
-    a, b = saved.get("text_config", saved), hf_config.get("text_config", hf_config)
-    if not isinstance(a, dict):
+    saved_raw = _json_object(path)
+    if not isinstance(saved_raw.get("text_config", saved_raw), dict):
         raise CheckpointDirError(f"{path}: text_config is not a JSON object")
-    a, b = dict(a), dict(b)
+    saved, run = effective_hf_config(saved_raw, path), effective_hf_config(hf_config, "this run's model config")
+    a, b = saved["text_config"], run["text_config"]
     for key in ARCHITECTURE_KEYS:
-        if key in _ARCHITECTURE_DEFAULTS:
-            a.setdefault(key, _ARCHITECTURE_DEFAULTS[key]), b.setdefault(key, _ARCHITECTURE_DEFAULTS[key])
-        if key in a and key in b and a[key] != b[key]:
-            raise CheckpointDirError(f"{ckpt_dir} is a checkpoint of another architecture: {key} is {a[key]!r} there, "
-                                     f"{b[key]!r} in this run's model config")
-    if ("vision_config" in saved) != ("vision_config" in hf_config):
+        if a.get(key) != b.get(key):
+            raise CheckpointDirError(f"{ckpt_dir} is a checkpoint of another architecture: {key} is {a.get(key)!r} "
+                                     f"there, {b.get(key)!r} in this run's model config")
+    if ("vision_config" in saved) != ("vision_config" in run):
         raise CheckpointDirError(f"{ckpt_dir} is a checkpoint of another architecture: vision tower "
                                  f"{'present' if 'vision_config' in saved else 'absent'} there")
     found = _function_difference(a, b)
-    if found is None and "text_config" in saved and "text_config" in hf_config:  # the vision tower, the top level
+    if found is None and "text_config" in saved_raw and "text_config" in hf_config:  # the vision tower, the top level
         found = _function_difference({k: v for k, v in saved.items() if k != "text_config"},
-                                     {k: v for k, v in hf_config.items() if k != "text_config"})
+                                     {k: v for k, v in run.items() if k != "text_config"})
     if found:
         key, was, now = found
         raise CheckpointDirError(f"{ckpt_dir} is a checkpoint of another model: {key} is {was!r} there, {now!r} in "

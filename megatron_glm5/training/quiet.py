@@ -3,13 +3,15 @@
 A training start prints what a Megatron-LM user reads (the arguments, the plan table, the checkpoints loaded, the data
 built, the iterations). The messages below say nothing a user of this project can act on; each is filtered by its
 message (a regex matched from its start) and the module that raises it, so that any other warning or log line of
-the stack still shows. :func:`install_warnings` runs before megatron-core is imported (its import-time warnings),
-:func:`install_logs` once the flags are read (a filter may depend on one).
+the stack still shows. Megatron-LM's own console lines (``print_rank_0``: ``print``, not a logger) are filtered the
+same way, in the module that prints them (:data:`QUIET_PRINTS`). :func:`install_warnings` runs before megatron-core
+is imported (its import-time warnings), :func:`install_logs` once the flags are read (a filter may depend on one).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -107,6 +109,49 @@ QUIET_LOGS = (
 )
 
 
+@dataclass(frozen=True)
+class QuietPrint:
+    """A ``print_rank_0`` line of ``module`` (Megatron-LM's console output, ``print``) not shown."""
+
+    module: str
+    """The module whose ``print_rank_0`` prints it (the name it imported is replaced by a filtering one)."""
+    message: str
+    """Regex matched at the start of the line."""
+    why: str
+    when: Optional[Callable] = None
+    """``when(args)``, asked as the line is printed: filter it only then; None: always."""
+
+
+def _loading_release(args) -> bool:
+    """Whether the checkpoint Megatron-LM's ``load_checkpoint`` reads is a ``release`` one (the converter's
+    layout-free weights: ``--load``, or ``--pretrained-checkpoint`` when ``--load`` holds none)."""
+    from megatron_glm5.checkpoint.tracker import checkpoint_in
+    from megatron_glm5.errors import CheckpointError
+
+    for folder in (getattr(args, "load", None), getattr(args, "pretrained_checkpoint", None)):
+        try:
+            found = checkpoint_in(folder) if folder and os.path.isdir(folder) else None
+        except CheckpointError:
+            found = None
+        if found is not None:
+            return os.path.basename(os.path.normpath(found)) == "release"
+    return False
+
+
+_RELEASE = ("a release checkpoint (the converter's weights, tools/convert_hf_to_mcore.py) holds no run arguments, "
+            "RNG or rerun state: megatron-core reads its torch_dist tensors at any layout and loads neither state "
+            "from a release checkpoint, so the layout it assumes for it decides nothing")
+
+QUIET_PRINTS = (
+    QuietPrint("megatron.training.checkpointing", r"WARNING: (TP|PP) size not found in checkpoint args, using 1 as "
+               r"default\.\Z", _RELEASE, when=_loading_release),
+    QuietPrint("megatron.training.checkpointing", r"Job sharding has changed: Rerun state will be ignored\Z",
+               _RELEASE + " (its world size is unknown, so it always differs)", when=_loading_release),
+    QuietPrint("megatron.training.checkpointing", r"could not find arguments in the checkpoint \.\.\.\Z", _RELEASE,
+               when=_loading_release),
+)
+
+
 QUIET_LOGGER_LEVELS = (
     ("megatron.core.datasets", logging.ERROR,
      "the dataset builders' index and cache notices; the run prints one line per dataset built"),
@@ -142,9 +187,45 @@ def install_warnings() -> None:
         logging.getLogger(name).setLevel(level)
 
 
+def _filtered_print(upstream, entries):
+    def print_rank_0(message, *a, **kw):
+        text = str(message)
+        for pattern, entry in entries:
+            if pattern.match(text):
+                from megatron.training import get_args
+
+                if entry.when is None or entry.when(get_args()):
+                    return None
+        return upstream(message, *a, **kw)
+
+    print_rank_0.glm5_upstream = upstream
+    return print_rank_0
+
+
+def install_prints() -> bool:
+    """Replace ``print_rank_0`` in each module of :data:`QUIET_PRINTS` by one that drops its lines there (as their
+    ``when`` says at print time); every other line prints. Idempotent; False (one notice line) on a megatron-core
+    whose ``megatron.training`` this is not written for."""
+    import importlib
+
+    from megatron_glm5.mcore_version import TRAINER_VERSIONS, skip_notice
+
+    if not skip_notice(TRAINER_VERSIONS, "the filter of Megatron-LM's console lines (training/quiet.py)"):
+        return False
+    by_module = {}
+    for q in QUIET_PRINTS:
+        by_module.setdefault(q.module, []).append((re.compile(q.message), q))
+    for name, entries in by_module.items():
+        module = importlib.import_module(name)
+        upstream = getattr(module.print_rank_0, "glm5_upstream", module.print_rank_0)
+        module.print_rank_0 = _filtered_print(upstream, entries)
+    return True
+
+
 def install_logs(args=None) -> None:
     """Attach the filters of :data:`QUIET_LOGS` that apply to this run (``args``: its flags; None: those without a
-    condition) to their loggers; a second call replaces the first's."""
+    condition) to their loggers; a second call replaces the first's. With ``args`` (megatron-core is imported by
+    then), also :func:`install_prints`."""
     by_logger = {}
     for q in QUIET_LOGS:
         if q.when is None or (args is not None and q.when(args)):
@@ -155,3 +236,5 @@ def install_logs(args=None) -> None:
             logger.removeFilter(f)
         if name in by_logger:
             logger.addFilter(_LogFilter(by_logger[name]))
+    if args is not None:
+        install_prints()
