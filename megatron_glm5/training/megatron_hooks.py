@@ -179,9 +179,11 @@ def _untrained_warmup(iteration: int, optimizer) -> str:
     rank (a step is skipped on all ranks or none)."""
     from megatron.training import get_args
 
-    run = get_args()
     steps = getattr(optimizer, "glm5_steps", None)
-    if not (getattr(run, "dsa_indexer_warmup_stage", False) and iteration == run.dsa_indexer_warmup and steps):
+    if not steps:  # no step guard: not the trainer's optimizer (Megatron-LM's args may not exist either)
+        return ""
+    run = get_args()
+    if not (getattr(run, "dsa_indexer_warmup_stage", False) and iteration == run.dsa_indexer_warmup):
         return ""
     if steps["updated"] or not steps["skipped"]:
         return ""
