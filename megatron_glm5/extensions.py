@@ -310,7 +310,8 @@ def current(record: Extension, target: Optional[str] = None):
 def apply(record: Extension, new, target: Optional[str] = None, owner: object = None,
           attr: Optional[str] = None) -> bool:
     """Rebind one target of ``record`` (``target``, default its only one; or ``owner``/``attr`` directly) to
-    ``new`` (a wrapper is built by the installer around :func:`current`). Version guard first (:func:`guard`); idempotent (:func:`installed`). Returns whether it bound ``new`` now."""
+    ``new`` (a wrapper is built by the installer around :func:`current`). Version guard first (:func:`guard`);
+    idempotent (:func:`installed`). Returns whether it bound ``new`` now."""
     if owner is None:
         target = target or record.targets[0]
         if target not in record.targets:
