@@ -40,19 +40,11 @@ import torch
 
 _ENABLED = False
 
-# megatron-core modules of the training path that create tensors with a literal device="cuda"
-_CUDA_LITERAL_MODULES = (
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.optimizer.grad_scaler",
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.utils",
-    "megatron.core.transformer.moe.moe_utils",
-    "megatron.core.transformer.module",
-    "megatron.core.utils",
-)
+# megatron-core modules of the training path that create tensors with a literal device="cuda" (their ``torch`` is
+# in the cpu_megatron record of megatron_glm5.extensions)
+from megatron_glm5.extensions import CUDA_LITERAL_MODULES as _CUDA_LITERAL_MODULES  # noqa: E402
+from megatron_glm5.extensions import TRAINING_CUDA_LITERAL_MODULES as _TRAINING_CUDA_LITERAL_MODULES  # noqa: E402
+
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor")
 
 
@@ -251,20 +243,8 @@ def enable_cpu_compat() -> None:
 
 
 # ---------------------------------------------------------------------------- megatron.training (Megatron-LM's trainer)
-# its modules that create tensors with a literal device="cuda" (start-time and loss all-reduces, the data-loader
-# flags broadcast, RNG / rerun state gathers of the checkpoint)
-_TRAINING_CUDA_LITERAL_MODULES = (
-    "megatron.training.training",
-    "megatron.training.checkpointing",
-    "megatron.training.utils",
-    "megatron.training.utils.common_utils",
-    "megatron.training.initialize",
-    "megatron.core.rerun_state_machine",
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.distributed.finalize_model_grads",
-    "megatron.core.transformer.utils",
-)
+# _TRAINING_CUDA_LITERAL_MODULES: its modules that create tensors with a literal device="cuda" (start-time and loss
+# all-reduces, the data-loader flags broadcast, RNG / rerun state gathers of the checkpoint)
 
 
 class _CpuAsOneDevice:

@@ -69,8 +69,9 @@ _CUDA_LITERAL = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.c
                  "megatron.core.distributed.param_and_grad_buffer", "megatron.core.pipeline_parallel.schedules",
                  "megatron.core.pipeline_parallel.utils", "megatron.core.transformer.moe.moe_utils",
                  "megatron.core.transformer.module", "megatron.core.utils")
-_TRAINING_CUDA_LITERAL = ("megatron.training.training", "megatron.training.checkpointing", "megatron.training.utils",
-                          "megatron.training.utils.common_utils", "megatron.core.rerun_state_machine",
+_TRAINING_CUDA_LITERAL = ("megatron.training.training", "megatron.training.checkpointing",
+                          "megatron.training.utils.common_utils", "megatron.training.initialize",
+                          "megatron.core.rerun_state_machine",
                           "megatron.core.optimizer.optimizer", "megatron.core.pipeline_parallel.schedules",
                           "megatron.core.distributed.finalize_model_grads", "megatron.core.transformer.utils")
 _CUDA_NAMES = ("current_device", "Stream", "Event", "current_stream", "default_stream", "stream", "synchronize",

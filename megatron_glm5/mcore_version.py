@@ -1,6 +1,7 @@
 """The installed megatron-core release and the version guard of every change this project makes to it.
 
-Every change is a record of :mod:`megatron_glm5.extensions`, installed through its ``apply`` by an entry point (the training entry, the tools,
+Every change is a record of :mod:`megatron_glm5.extensions`, installed through its ``apply`` by an entry point
+(the training entry, the tools,
 ``tests/conftest.py``) and only for the releases it is written for: :func:`version_in` decides, and
 :func:`require_version` refuses an other release with one line (:class:`UnsupportedMegatronCore`, naming the
 installed and the supported releases) where the change cannot be left out; :func:`skip_notice` says in one line on
