@@ -55,6 +55,7 @@ class Extension:
     test: str = ""            # the test that reproduces the defect / shows the change
     when: str = ""            # '' = every install; else the condition under which it is installed
     guard_line: str = ""      # how the one-line refusal / notice names it
+    transient: bool = False   # bound only for the length of one call and restored after it
 
     @property
     def refused_outside(self) -> bool:
@@ -70,7 +71,7 @@ _CUDA_LITERAL = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.c
                  "megatron.core.pipeline_parallel.utils", "megatron.core.transformer.moe.moe_utils",
                  "megatron.core.transformer.module", "megatron.core.utils")
 _TRAINING_CUDA_LITERAL = ("megatron.training.training", "megatron.training.checkpointing",
-                          "megatron.training.utils.common_utils", "megatron.training.initialize",
+                          "megatron.training.utils.common_utils",
                           "megatron.core.rerun_state_machine",
                           "megatron.core.optimizer.optimizer", "megatron.core.pipeline_parallel.schedules",
                           "megatron.core.distributed.finalize_model_grads", "megatron.core.transformer.utils")
@@ -224,6 +225,11 @@ REGISTRY: Tuple[Extension, ...] = (
               "it outlives a killed trainer and holds its pipes",
               "megatron_glm5.training.megatron_hooks.install_checkpoint_writer_queue", when="--save",
               guard_line="the checkpoint writer's queue (training/megatron_hooks.py)"),
+    Extension("lean_import", ("torch.compile", "megatron.core.jit.jit_fuser"), "replace",
+              "megatron-core imported with its import-time torch.compile calls passed through, jit fuser off",
+              "TorchDynamo / Inductor imports cost ~2 s of a converter's start-up",
+              "megatron_glm5.lean_import.import_megatron_without_compile", "any",
+              when="the checkpoint converter's megatron-core import", transient=True),
     # ------------------------------------------------------------------ CPU redirects (cpu_compat.py)
     Extension("cpu_cuda_redirects", tuple("torch.cuda." + n for n in _CUDA_NAMES) +
               ("torch.Tensor.type", "torch.Tensor.cuda"), "replace",
@@ -347,6 +353,6 @@ def table() -> str:
             lines.append(f"  upstream bug: {r.bug}")
         if r.test:
             lines.append(f"  test: {r.test}")
-        lines.append(f"  installer: {r.installer}")
+        lines.append(f"  installer: {r.installer}" + (" (restored after it)" if r.transient else ""))
         lines += [f"  rebinds: {t}" for t in r.targets]
     return "\n".join(lines)

@@ -64,7 +64,7 @@ def rebound():
 
 
 def test_every_rebound_attribute_has_a_record_and_every_record_is_rebound(rebound):
-    targets = {t for r in extensions.REGISTRY for t in r.targets}
+    targets = {t for r in extensions.REGISTRY if not r.transient for t in r.targets}
     unrecorded = sorted(set(rebound["changed"]) - targets)
     assert unrecorded == [], unrecorded
     # on a CPU without Apex every record's targets are installed (none of them needs CUDA, Apex or TE)
@@ -75,6 +75,17 @@ def test_every_rebound_attribute_has_a_record_and_every_record_is_rebound(reboun
 
 def test_installing_again_rebinds_nothing(rebound):
     assert rebound["twice"] == []
+
+
+def test_the_converters_lean_import_restores_torch_compile():
+    code = ("import torch; real = torch.compile\n"
+            "from megatron_glm5.lean_import import import_megatron_without_compile\n"
+            "assert import_megatron_without_compile() is True and torch.compile is real\n"
+            "from megatron.core import jit; print(jit.jit_fuser is jit.noop_decorator)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
+    assert extensions.BY_NAME["lean_import"].transient
 
 
 def test_every_record_is_described_and_names_its_installer():
