@@ -26,7 +26,9 @@ megatron-core calls a few CUDA-only APIs unconditionally: ``torch.cuda.current_d
   copy of the first / last pipeline stage with ``.cuda()`` before all-reducing it).
 
 No math is touched: collectives, kernels and numerics stay the real ones. It is a no-op when CUDA is available,
-and is never called by the GPU training path.
+and is never called by the GPU training path: its callers (the training entry, ``initialize_megatron``, the tests)
+enable it only where ``torch.cuda.is_available()`` is False. Each redirect is bound through
+:func:`megatron_glm5.extensions.apply` (records ``cpu_cuda_redirects`` and ``cpu_megatron``).
 """
 
 from __future__ import annotations
