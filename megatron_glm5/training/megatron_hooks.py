@@ -1,5 +1,6 @@
 """What this model adds to Megatron-LM's trainer, in one place: each hook is installed by the training entry
-(:func:`install`), listed by :func:`describe`, and printed at start-up; a megatron-core outside
+(:func:`install`, each through its record of :mod:`megatron_glm5.extensions`), listed by :func:`describe`, and
+printed at start-up; a megatron-core outside
 :data:`~megatron_glm5.mcore_version.TRAINER_VERSIONS` is refused with one line before anything is installed.
 
 * **Non-finite steps skipped and counted.** megatron-core's ``ChainedOptimizer.step`` applies an update whatever its
@@ -417,7 +418,7 @@ def install() -> None:
         _INSTALLED.append("dataset helpers: the wheel's prebuilt helpers_cpp, not rebuilt with make")
     from megatron.training import checkpointing
 
-    if not isinstance(checkpointing.dist_checkpointing, _Glm5DistCheckpointing):
+    if not extensions.installed(checkpointing, "dist_checkpointing"):
         record = extensions.BY_NAME["checkpoint_files"]
         hook = _Glm5DistCheckpointing(checkpointing.dist_checkpointing)
         extensions.apply(record, hook, target="megatron.training.checkpointing.dist_checkpointing")
@@ -426,10 +427,9 @@ def install() -> None:
         _INSTALLED.append("checkpoints: hf_config.json, parallel_layout.json and megatron-core's integrity.json in "
                           "every save; loads verified against them and the model; .metadata and byte items "
                           "unpickled without code")
-    from megatron_glm5.training.save_guard import SAVE_PARTS, install_save_checkpoint
+    from megatron_glm5.training.save_guard import install_save_checkpoint
 
-    if not SAVE_PARTS["nonfinite"]:
-        install_save_checkpoint("nonfinite")
+    if install_save_checkpoint("nonfinite"):
         _INSTALLED.append("checkpoints: a model holding NaN/inf weights is not saved (the run stops)")
     from megatron_glm5.training.checkpoint_checks import install_schedule_check
 

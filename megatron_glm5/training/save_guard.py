@@ -471,10 +471,10 @@ def _save_checkpoint(upstream):
     return save_checkpoint
 
 
-def install_save_checkpoint(part: str, value=True) -> None:
+def install_save_checkpoint(part: str, value=True) -> bool:
     """Switch on ``part`` of :data:`SAVE_PARTS` (``value``) and make :func:`_save_checkpoint` the
     ``save_checkpoint`` of ``megatron.training.training`` (idempotent; the ``save_checkpoint`` record of
-    :mod:`megatron_glm5.extensions`)."""
+    :mod:`megatron_glm5.extensions`). Returns whether ``part`` was off before."""
     from megatron.training import training
 
     from megatron_glm5 import extensions
@@ -483,7 +483,9 @@ def install_save_checkpoint(part: str, value=True) -> None:
     extensions.guard(record)
     if not extensions.installed(training, "save_checkpoint"):
         extensions.apply(record, _save_checkpoint(training.save_checkpoint))
+    was_off = not SAVE_PARTS[part]
     SAVE_PARTS[part] = value
+    return was_off
 
 
 def install() -> List[str]:
@@ -500,8 +502,7 @@ def install() -> List[str]:
         extensions.apply(record, _AtomicTrackerStorage(checkpointing.maybe_msc), owner=checkpointing,
                          attr="maybe_msc")
         done.append("the tracker replaced atomically")
-    if not SAVE_PARTS["guard"]:
-        install_save_checkpoint("guard")
+    if install_save_checkpoint("guard"):
         done.append("a failed save is one line, the tracker on the last complete checkpoint")
     if not extensions.installed(training, "maybe_finalize_async_save"):
         extensions.apply(record, _finalizing(training.maybe_finalize_async_save), owner=training,
