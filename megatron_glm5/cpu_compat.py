@@ -26,7 +26,9 @@ megatron-core calls a few CUDA-only APIs unconditionally: ``torch.cuda.current_d
   copy of the first / last pipeline stage with ``.cuda()`` before all-reducing it).
 
 No math is touched: collectives, kernels and numerics stay the real ones. It is a no-op when CUDA is available,
-and is never called by the GPU training path.
+and is never called by the GPU training path: its callers (the training entry, ``initialize_megatron``, the tests)
+enable it only where ``torch.cuda.is_available()`` is False. Each redirect is bound through
+:func:`megatron_glm5.extensions.apply` (records ``cpu_cuda_redirects`` and ``cpu_megatron``).
 """
 
 from __future__ import annotations
@@ -40,20 +42,19 @@ import torch
 
 _ENABLED = False
 
-# megatron-core modules of the training path that create tensors with a literal device="cuda"
-_CUDA_LITERAL_MODULES = (
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.optimizer.grad_scaler",
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.utils",
-    "megatron.core.transformer.moe.moe_utils",
-    "megatron.core.transformer.module",
-    "megatron.core.utils",
-)
+# megatron-core modules of the training path that create tensors with a literal device="cuda" (their ``torch`` is
+# in the cpu_megatron record of megatron_glm5.extensions)
+from megatron_glm5.extensions import CUDA_LITERAL_MODULES as _CUDA_LITERAL_MODULES  # noqa: E402
+from megatron_glm5.extensions import TRAINING_CUDA_LITERAL_MODULES as _TRAINING_CUDA_LITERAL_MODULES  # noqa: E402
+
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor")
+
+
+def _bind(record: str, owner, attr: str, new) -> None:
+    """``owner.attr = new`` through :func:`megatron_glm5.extensions.apply` (``record``: the registry record)."""
+    from megatron_glm5 import extensions
+
+    extensions.apply(extensions.BY_NAME[record], new, owner=owner, attr=attr)
 
 
 def _cpu_device(device):
@@ -91,7 +92,7 @@ def _install_cpu_factories() -> None:
     for name in _CUDA_LITERAL_MODULES:
         module = importlib.import_module(name)
         if getattr(module, "torch", None) is torch:
-            module.torch = proxy
+            _bind("cpu_megatron", module, "torch", proxy)
 
 
 def _install_cuda_type_names() -> None:
@@ -102,20 +103,17 @@ def _install_cuda_type_names() -> None:
             return original(self).replace("torch.", "torch.cuda.", 1)
         return original(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.type = type_
-    # ``.cuda()`` moves (the distributed optimizer's checkpoint gather) keep the tensor where it is: the CPU
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _bind("cpu_cuda_redirects", torch.Tensor, "type", type_)
 
 
 def _install_tensor_cuda_stays() -> None:
-    original = torch.Tensor.cuda
+    """``Tensor.cuda()`` returns the tensor itself: it stays where it is (the CPU; the distributed optimizer's
+    checkpoint gather, the embedding copy of ``LanguageModule``)."""
 
     def cuda(self, *args, **kwargs):
-        if self.device.type == "cpu":
-            return self
-        return original(self, *args, **kwargs)
+        return self
 
-    torch.Tensor.cuda = cuda
+    _bind("cpu_cuda_redirects", torch.Tensor, "cuda", cuda)
 
 
 def _install_uneven_first_dim_collectives() -> None:
@@ -141,8 +139,8 @@ def _install_uneven_first_dim_collectives() -> None:
         start = sum(int(n) for n in input_split_sizes[: group.rank()])
         return total[start:start + int(input_split_sizes[group.rank()])].contiguous()
 
-    mappings._gather_along_first_dim = gather_along_first_dim
-    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+    _bind("cpu_megatron", mappings, "_gather_along_first_dim", gather_along_first_dim)
+    _bind("cpu_megatron", mappings, "_reduce_scatter_along_first_dim", reduce_scatter_along_first_dim)
 
 
 class _InertStream:
@@ -196,25 +194,25 @@ def enable_cpu_compat() -> None:
     global _ENABLED
     if _ENABLED or torch.cuda.is_available():
         return
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+    from megatron_glm5 import extensions
 
-    require_version(TRAINER_VERSIONS, "the CPU redirects of megatron-core's CUDA calls (cpu_compat.py)")
+    extensions.guard(extensions.BY_NAME["cpu_cuda_redirects"])
     cuda = torch.cuda
-    cuda.current_device = lambda: "cpu"
-    cuda.Stream = _InertStream
-    cuda.Event = _InertEvent
-    cuda.current_stream = lambda *a, **k: _InertStream()
-    cuda.default_stream = lambda *a, **k: _InertStream()
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.synchronize = lambda *a, **k: None
-    cuda.set_device = lambda *a, **k: None
-    cuda.empty_cache = lambda *a, **k: None
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    cuda.nvtx.range_push = lambda *a, **k: None
-    cuda.nvtx.range_pop = lambda *a, **k: None
-    cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    _bind("cpu_cuda_redirects", cuda, "current_device", lambda: "cpu")
+    _bind("cpu_cuda_redirects", cuda, "Stream", _InertStream)
+    _bind("cpu_cuda_redirects", cuda, "Event", _InertEvent)
+    _bind("cpu_cuda_redirects", cuda, "current_stream", lambda *a, **k: _InertStream())
+    _bind("cpu_cuda_redirects", cuda, "default_stream", lambda *a, **k: _InertStream())
+    _bind("cpu_cuda_redirects", cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _bind("cpu_cuda_redirects", cuda, "synchronize", lambda *a, **k: None)
+    _bind("cpu_cuda_redirects", cuda, "set_device", lambda *a, **k: None)
+    _bind("cpu_cuda_redirects", cuda, "empty_cache", lambda *a, **k: None)
+    _bind("cpu_cuda_redirects", cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    _bind("cpu_cuda_redirects", cuda, "set_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    _bind("cpu_cuda_redirects", cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
+    _bind("cpu_cuda_redirects", cuda.nvtx, "range_push", lambda *a, **k: None)
+    _bind("cpu_cuda_redirects", cuda.nvtx, "range_pop", lambda *a, **k: None)
+    _bind("cpu_cuda_redirects", cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
 
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -225,9 +223,9 @@ def enable_cpu_compat() -> None:
     def _get_rng_state(*args, **kwargs):
         return torch.get_rng_state()
 
-    mrandom._set_cuda_rng_state = _set_rng_state
+    _bind("cpu_megatron", mrandom, "_set_cuda_rng_state", _set_rng_state)
     if hasattr(mrandom, "_get_cuda_rng_state"):
-        mrandom._get_cuda_rng_state = _get_rng_state
+        _bind("cpu_megatron", mrandom, "_get_cuda_rng_state", _get_rng_state)
 
     upstream = moe_utils.maybe_move_tensor_to_cpu
 
@@ -236,12 +234,12 @@ def enable_cpu_compat() -> None:
             return tensor.numpy()
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _bind("cpu_megatron", moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
     # with the redirect the "CUDA" generator *is* the CPU generator, so megatron's RNG tracker always sees the CPU
     # state change inside a fork and logs a warning that means nothing here
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
-        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+        _bind("cpu_megatron", token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
     _install_cpu_factories()
     _install_cuda_type_names()
     _install_tensor_cuda_stays()
@@ -251,20 +249,8 @@ def enable_cpu_compat() -> None:
 
 
 # ---------------------------------------------------------------------------- megatron.training (Megatron-LM's trainer)
-# its modules that create tensors with a literal device="cuda" (start-time and loss all-reduces, the data-loader
-# flags broadcast, RNG / rerun state gathers of the checkpoint)
-_TRAINING_CUDA_LITERAL_MODULES = (
-    "megatron.training.training",
-    "megatron.training.checkpointing",
-    "megatron.training.utils",
-    "megatron.training.utils.common_utils",
-    "megatron.training.initialize",
-    "megatron.core.rerun_state_machine",
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.distributed.finalize_model_grads",
-    "megatron.core.transformer.utils",
-)
+# _TRAINING_CUDA_LITERAL_MODULES: its modules that create tensors with a literal device="cuda" (start-time and loss
+# all-reduces, the data-loader flags broadcast, RNG / rerun state gathers of the checkpoint)
 
 
 class _CpuAsOneDevice:
@@ -299,10 +285,11 @@ def _install_megatron_training() -> None:
 
     from megatron.training import initialize
 
-    if not getattr(training.initialize_megatron, "cpu_compat", False):
+    from megatron_glm5 import extensions
+
+    if not extensions.installed(training, "initialize_megatron"):
         no_cuda = partial(initialize.initialize_megatron, allow_no_cuda=True)
-        no_cuda.cpu_compat = True
-        training.initialize_megatron = no_cuda
+        _bind("cpu_megatron", training, "initialize_megatron", no_cuda)
     proxy = _CpuFactoryTorch(torch)
     for name in _TRAINING_CUDA_LITERAL_MODULES:
         module = sys.modules.get(name)
@@ -312,18 +299,18 @@ def _install_megatron_training() -> None:
             except ImportError:
                 continue
         if getattr(module, "torch", None) is torch:
-            module.torch = proxy
-    initialize.torch = _InitializeTorch(torch)
+            _bind("cpu_megatron", module, "torch", proxy)
+    _bind("cpu_megatron", initialize, "torch", _InitializeTorch(torch))
     # its argument checks read the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS=1 is required below Blackwell
     # with TP / CP, for CUDA stream ordering): a CPU has no architecture and no CUDA streams to order
     from megatron.training import arguments as megatron_arguments
 
-    megatron_arguments.get_device_arch_version = lambda: 0
+    _bind("cpu_megatron", megatron_arguments, "get_device_arch_version", lambda: 0)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     # the warm-up of megatron's CUDA fusion kernels (bias-GeLU, bias-dropout-add) on CUDA tensors: nothing to warm
-    training.set_jit_fusion_options = lambda *a, **k: None
+    _bind("cpu_megatron", training, "set_jit_fusion_options", lambda *a, **k: None)
     cuda = torch.cuda
     for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
-        setattr(cuda, stat, lambda *a, **k: 0)
-    cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.memory_stats = lambda *a, **k: collections.defaultdict(int)
+        _bind("cpu_cuda_redirects", cuda, stat, lambda *a, **k: 0)
+    _bind("cpu_cuda_redirects", cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    _bind("cpu_cuda_redirects", cuda, "memory_stats", lambda *a, **k: collections.defaultdict(int))

@@ -24,7 +24,8 @@ def install_patches() -> None:
     :mod:`megatron_glm5.mcore_fixes` and the MoE token permutation of :mod:`megatron_glm5.models.token_permutation`
     in megatron-core's dispatchers (outside their releases left out, said in one line on stderr), and the torch
     versions of the Apex / Transformer Engine calls megatron-core falls back from (:mod:`megatron_glm5.mcore_extensions`:
-    multi-tensor norm and scale, gradient-accumulation fusion)."""
+    multi-tensor norm and scale, gradient-accumulation fusion). Each is a record of :mod:`megatron_glm5.extensions`
+    (``--help-extensions`` lists them)."""
     from megatron_glm5 import mcore_extensions, mcore_version
     from megatron_glm5.checkpoint.safe_load import install_dcp_read_guards
     from megatron_glm5.mcore_fixes import AFFECTED_VERSIONS, apply_mcore_fixes

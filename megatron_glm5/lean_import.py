@@ -9,7 +9,7 @@ have to precede). :func:`import_megatron_without_compile` imports megatron-core 
 pass-through decorator for the length of the import and then turns megatron's switch off as well, so the fusion
 functions stay plain eager functions in this process (the same results; only speed differs, and a converter never
 calls them: its model lives on the meta device). Call it before anything imports megatron-core; once megatron-core
-is imported it does nothing.
+is imported it does nothing. Its registry record: ``lean_import`` of :mod:`megatron_glm5.extensions` (transient).
 """
 
 from __future__ import annotations

@@ -111,14 +111,17 @@ def install() -> List[str]:
     from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.tensor_parallel import layers
 
+    from megatron_glm5 import extensions
+
+    kernels, fusion = extensions.BY_NAME["multi_tensor_kernels"], extensions.BY_NAME["grad_accum_fusion"]
     replaced = []
     if getattr(clip_grads, "l2_norm_impl", None) in (mcore_utils.local_multi_tensor_l2_norm, multi_tensor_l2norm):
-        clip_grads.l2_norm_impl = multi_tensor_l2norm
+        extensions.apply(kernels, multi_tensor_l2norm, owner=clip_grads, attr="l2_norm_impl")
         replaced.append("multi_tensor_l2norm")
     for module in (clip_grads, mcore_optimizer):
         if getattr(module, "multi_tensor_scale_impl", None) in (mcore_utils.local_multi_tensor_scale,
                                                                 multi_tensor_scale):
-            module.multi_tensor_scale_impl = multi_tensor_scale
+            extensions.apply(kernels, multi_tensor_scale, owner=module, attr="multi_tensor_scale_impl")
             replaced.append(f"{module.__name__}.multi_tensor_scale")
     try:
         from megatron.training.utils import common_utils
@@ -126,11 +129,11 @@ def install() -> List[str]:
         common_utils = None
     if common_utils is not None and getattr(common_utils, "multi_tensor_l2norm", None) in (
             mcore_utils.local_multi_tensor_l2_norm, multi_tensor_l2norm):
-        common_utils.multi_tensor_l2norm = multi_tensor_l2norm
+        extensions.apply(kernels, multi_tensor_l2norm, owner=common_utils, attr="multi_tensor_l2norm")
         replaced.append("megatron.training multi_tensor_l2norm")
     if not layers._grad_accum_fusion_available or getattr(layers, "fused_weight_gradient_mlp_cuda", None) is \
             FusedWeightGradientMlp:
-        layers.fused_weight_gradient_mlp_cuda = FusedWeightGradientMlp
-        layers._grad_accum_fusion_available = True
+        extensions.apply(fusion, FusedWeightGradientMlp, owner=layers, attr="fused_weight_gradient_mlp_cuda")
+        extensions.apply(fusion, True, owner=layers, attr="_grad_accum_fusion_available")
         replaced.append("fused_weight_gradient_mlp_cuda")
     return replaced

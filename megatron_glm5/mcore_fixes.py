@@ -62,8 +62,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron_glm5.data import index_cache
 from megatron_glm5.mcore_version import MCORE_VERSION, version_in
 
-# first and last megatron-core release known to have every bug above
-AFFECTED_VERSIONS = ("0.16.1", "0.19.2")
+from megatron_glm5.extensions import FIXES_VERSIONS as AFFECTED_VERSIONS  # noqa: E402 - first and last release with every bug above
 
 
 def needs_fixes(version: str = MCORE_VERSION) -> bool:
@@ -231,6 +230,14 @@ def apply_mcore_fixes() -> Tuple[str, ...]:
     installed ones (``()`` for a megatron-core outside :data:`AFFECTED_VERSIONS`)."""
     if not needs_fixes():
         return ()
-    for owner, attr, replacement in FIXES.values():
-        setattr(owner, attr, replacement)
+    from megatron_glm5 import extensions
+
+    for name, (owner, attr, replacement) in FIXES.items():
+        record = extensions.BY_NAME[_RECORD.get(name, name)]
+        extensions.apply(record, replacement, owner=owner, attr=attr)
     return tuple(FIXES)
+
+
+# fix name -> its record in megatron_glm5.extensions.REGISTRY (where they differ)
+_RECORD = {"dataset_cache_gpt_deferred_load": "dataset_cache_deferred_load",
+           "dataset_cache_blended_deferred_load": "dataset_cache_deferred_load"}

@@ -1,6 +1,7 @@
 """The installed megatron-core release and the version guard of every change this project makes to it.
 
-Each change to megatron-core / ``megatron.training`` is installed by an entry point (the training entry, the tools,
+Every change is a record of :mod:`megatron_glm5.extensions`, installed through its ``apply`` by an entry point
+(the training entry, the tools,
 ``tests/conftest.py``) and only for the releases it is written for: :func:`version_in` decides, and
 :func:`require_version` refuses an other release with one line (:class:`UnsupportedMegatronCore`, naming the
 installed and the supported releases) where the change cannot be left out; :func:`skip_notice` says in one line on
@@ -23,9 +24,7 @@ from megatron.core.package_info import __version__ as MCORE_VERSION
 __all__ = ["MCORE_VERSION", "TRAINER_VERSIONS", "UnsupportedMegatronCore", "require_version", "skip_notice",
            "version_in"]
 
-TRAINER_VERSIONS = ("0.19.2", "0.19.2")
-"""First and last megatron-core release whose ``megatron.training`` functions, checkpoint reads and CUDA calls the
-trainer hooks, read guards and CPU redirects replace or wrap as they are written here."""
+from megatron_glm5.extensions import TRAINER_VERSIONS  # noqa: E402 - the trainer hooks' releases, one home
 
 
 class UnsupportedMegatronCore(RuntimeError):

@@ -27,6 +27,7 @@ def _refusers():
         flops,
         indexer_stages,
         megatron_hooks,
+        memory_report,
         save_guard,
     )
 
@@ -46,6 +47,7 @@ def _refusers():
         "--test-kill-during-save": lambda: megatron_hooks.install_test_kill_during_save(3),
         "FLOP count": flops.install,
         "save guards": save_guard.install,
+        "memory report": memory_report.install,
         "learning-rate schedule check": checkpoint_checks.install_schedule_check,
         "indexer stage switch": indexer_stages.install,
         "Energon loader state": lambda: data_loaders._save_state_with_checkpoints(None, None, 0),
@@ -61,6 +63,7 @@ def _trainer_state():
 
     return [training.save_checkpoint, training.get_megatron_optimizer, training.load_checkpoint,
             training.num_floating_point_operations, training.maybe_finalize_async_save, checkpointing.maybe_msc,
+            training.report_theoretical_memory, training.report_memory,
             checkpointing.dist_checkpointing, dataset_utils.compile_helpers, filesystem_async._results_queue,
             OptimizerParamScheduler._check_and_set]
 

@@ -100,18 +100,20 @@ def install_expert_buffer_layout() -> bool:
     :func:`expert_weights_back_to_back`'s order. Idempotent; returns True when it installed the wrapper now."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    from megatron_glm5 import extensions
+
+    record = extensions.BY_NAME["expert_buffer_layout"]
     compute = DistributedOptimizer.compute_full_param_layout
-    if getattr(compute, "glm5_expert_order", False):
+    if extensions.installed(DistributedOptimizer, "compute_full_param_layout"):
         return False
 
     def compute_full_param_layout(params, *args, **kwargs):
         return compute(expert_weights_back_to_back(list(params)), *args, **kwargs)
 
-    compute_full_param_layout.glm5_expert_order = True
     compute_full_param_layout.wrapped = compute
     compute_full_param_layout.__doc__ = compute.__doc__
-    DistributedOptimizer.compute_full_param_layout = staticmethod(compute_full_param_layout)
-    return True
+    return extensions.apply(record, staticmethod(compute_full_param_layout), owner=DistributedOptimizer,
+                            attr="compute_full_param_layout")
 
 
 class _StackedWeights(torch.autograd.Function):

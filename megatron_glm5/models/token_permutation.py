@@ -191,6 +191,9 @@ def install(version: Optional[str] = None) -> Tuple[str, ...]:
     megatron-core's own functions run)."""
     if not version_in(SUPPORTED_VERSIONS, version or MCORE_VERSION):
         return ()
+    from megatron_glm5 import extensions
+
+    record = extensions.BY_NAME["token_permutation"]
     for owner, attr, replacement in PATCHES.values():
-        setattr(owner, attr, replacement)
+        extensions.apply(record, replacement, owner=owner, attr=attr)
     return tuple(PATCHES)

@@ -42,7 +42,8 @@ def external_loaders(datasets, args):
 
 
 def _save_state_with_checkpoints(loader, args, dp_rank: int) -> None:
-    """Megatron-LM's ``save_checkpoint``, writing first this data-parallel rank's loader state into the checkpoint
+    """Megatron-LM's ``save_checkpoint`` (the loader part of :func:`megatron_glm5.training.save_guard._save_checkpoint`),
+    writing first this data-parallel rank's loader state into the checkpoint
     folder (``iter_NNNNNNN/train_dataloader_dprankRRR.pt``, Megatron-LM's file name; rank 0 of its tensor- and
     pipeline-parallel group writes it). The folder's ``integrity.json`` then covers it. Megatron-LM's own
     ``--dataloader-save`` puts it in an ``mp_rank_00/`` subfolder, which no checkpoint folder of this model holds."""
@@ -52,25 +53,20 @@ def _save_state_with_checkpoints(loader, args, dp_rank: int) -> None:
     import os
 
     import torch
-    from megatron.training import training
 
     from megatron_glm5.data.energon import state_path
+    from megatron_glm5.training.save_guard import install_save_checkpoint
 
-    upstream = training.save_checkpoint
-    if getattr(upstream, "glm5_energon_loader", None) is not None:  # already wrapped: write this loader's state
-        upstream.glm5_energon_loader[0] = loader
-        return
-    current = [loader]
+    def with_loader_state(save):
+        def save_checkpoint(iteration, *a, **kw):
+            if not kw.get("non_persistent_ckpt") and parallel_state.get_tensor_model_parallel_rank() == 0 \
+                    and parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+                path = state_path(args.save, iteration, dp_rank)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save({"dataloader_state_dict": loader.save_state()}, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            return save(iteration, *a, **kw)
 
-    def save_checkpoint(iteration, *a, **kw):
-        if not kw.get("non_persistent_ckpt") and parallel_state.get_tensor_model_parallel_rank() == 0 \
-                and parallel_state.is_pipeline_first_stage(ignore_virtual=True):
-            path = state_path(args.save, iteration, dp_rank)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save({"dataloader_state_dict": current[0].save_state()}, path + ".tmp")
-            os.replace(path + ".tmp", path)
-        return upstream(iteration, *a, **kw)
+        return save_checkpoint
 
-    save_checkpoint.glm5_hook = getattr(upstream, "glm5_hook", False)
-    save_checkpoint.glm5_energon_loader = current
-    training.save_checkpoint = save_checkpoint
+    install_save_checkpoint("loader", with_loader_state)  # the loader part of the one save_checkpoint wrapper

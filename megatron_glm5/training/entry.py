@@ -200,6 +200,13 @@ def run_pretrain(datasets_provider: Callable, model_provider: Callable, forward_
     # Triton's autotuning results (FLA's KDA kernels, ours) kept in its disk cache beside the compiled kernels, so
     # that a run after the first on a machine starts without tuning again (minutes at 4K on an H100)
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    import sys
+
+    if "--help-extensions" in (sys.argv[1:] if argv is None else argv):  # the registry of changes, torch-free
+        from megatron_glm5.extensions import table
+
+        print(table())
+        return 0
     bad_env = launcher_env_error()
     if bad_env:  # said by every process: with a broken $RANK none knows whether it is rank 0
         from megatron_glm5.training.arguments import print_line

@@ -1,5 +1,6 @@
 """What this model adds to Megatron-LM's trainer, in one place: each hook is installed by the training entry
-(:func:`install`), listed by :func:`describe`, and printed at start-up; a megatron-core outside
+(:func:`install`, each through its record of :mod:`megatron_glm5.extensions`), listed by :func:`describe`, and
+printed at start-up; a megatron-core outside
 :data:`~megatron_glm5.mcore_version.TRAINER_VERSIONS` is refused with one line before anything is installed.
 
 * **Non-finite steps skipped and counted.** megatron-core's ``ChainedOptimizer.step`` applies an update whatever its
@@ -152,7 +153,6 @@ def _glm5_get_megatron_optimizer(upstream):
             print_rank_0(describe_fusion(model_chunks))
         return _skip_nonfinite_steps(optimizer, args.max_consecutive_skipped_iterations)
 
-    get_megatron_optimizer.glm5_hook = True
     return get_megatron_optimizer
 
 
@@ -207,7 +207,6 @@ def _refuse_nonfinite_save(upstream):
             raise TrainingStopped(untrained)
         return upstream(iteration, model, *args, **kwargs)
 
-    save_checkpoint.glm5_nonfinite_guard = True
     return save_checkpoint
 
 
@@ -218,7 +217,6 @@ def _compile_helpers_unless_shipped(upstream):
         except ImportError:
             upstream()
 
-    compile_helpers.glm5_hook = True
     return compile_helpers
 
 
@@ -385,9 +383,10 @@ def _die_with_parent() -> None:
 
 def install_checkpoint_writer_queue() -> None:
     """Make megatron-core's checkpoint-writer results queue (see the module docstring); for runs that save."""
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+    from megatron_glm5 import extensions
 
-    require_version(TRAINER_VERSIONS, "the checkpoint writer's queue (training/megatron_hooks.py)")
+    record = extensions.BY_NAME["checkpoint_writer_queue"]
+    extensions.guard(record)
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "missing") is not None:  # made already, or another version
@@ -398,7 +397,7 @@ def install_checkpoint_writer_queue() -> None:
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=_die_with_parent)
     _MANAGERS.append(manager)
-    filesystem_async._results_queue = manager.Queue()
+    extensions.apply(record, manager.Queue())
     _INSTALLED.append("checkpoint writer: its queue process dies with the trainer, without its stdout")
 
 
@@ -409,27 +408,30 @@ def install() -> None:
     """Install the hooks into ``megatron.training`` (idempotent); refuses (one line,
     :class:`~megatron_glm5.mcore_version.UnsupportedMegatronCore`) a megatron-core outside
     :data:`~megatron_glm5.mcore_version.TRAINER_VERSIONS`."""
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+    from megatron_glm5 import extensions
 
-    require_version(TRAINER_VERSIONS, "the trainer hooks (training/megatron_hooks.py)")
+    extensions.guard(extensions.BY_NAME["compile_helpers"])
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import training
 
-    if not getattr(dataset_utils.compile_helpers, "glm5_hook", False):
-        dataset_utils.compile_helpers = _compile_helpers_unless_shipped(dataset_utils.compile_helpers)
+    if not extensions.installed(dataset_utils, "compile_helpers"):
+        extensions.apply(extensions.BY_NAME["compile_helpers"],
+                         _compile_helpers_unless_shipped(dataset_utils.compile_helpers))
         _INSTALLED.append("dataset helpers: the wheel's prebuilt helpers_cpp, not rebuilt with make")
     from megatron.training import checkpointing
 
-    if not isinstance(checkpointing.dist_checkpointing, _Glm5DistCheckpointing):
-        from megatron.core.dist_checkpointing import serialization
-
-        checkpointing.dist_checkpointing = _Glm5DistCheckpointing(checkpointing.dist_checkpointing)
-        serialization.save_integrity_manifest = checkpointing.dist_checkpointing.save_integrity_manifest
+    if not extensions.installed(checkpointing, "dist_checkpointing"):
+        record = extensions.BY_NAME["checkpoint_files"]
+        hook = _Glm5DistCheckpointing(checkpointing.dist_checkpointing)
+        extensions.apply(record, hook, target="megatron.training.checkpointing.dist_checkpointing")
+        extensions.apply(record, hook.save_integrity_manifest,
+                         target="megatron.core.dist_checkpointing.serialization.save_integrity_manifest")
         _INSTALLED.append("checkpoints: hf_config.json, parallel_layout.json and megatron-core's integrity.json in "
                           "every save; loads verified against them and the model; .metadata and byte items "
                           "unpickled without code")
-    if not getattr(training.save_checkpoint, "glm5_nonfinite_guard", False):
-        training.save_checkpoint = _refuse_nonfinite_save(training.save_checkpoint)
+    from megatron_glm5.training.save_guard import install_save_checkpoint
+
+    if install_save_checkpoint("nonfinite"):
         _INSTALLED.append("checkpoints: a model holding NaN/inf weights is not saved (the run stops)")
     from megatron_glm5.training.checkpoint_checks import install_schedule_check
 
@@ -445,8 +447,9 @@ def install() -> None:
     if indexer_stages.install():
         _INSTALLED.append("resume: the indexer warm-up's last checkpoint starts the sparse stage (the indexers' Adam moments "
                           "carried, the others fresh)")
-    if not getattr(training.get_megatron_optimizer, "glm5_hook", False):
-        training.get_megatron_optimizer = _glm5_get_megatron_optimizer(training.get_megatron_optimizer)
+    if not extensions.installed(training, "get_megatron_optimizer"):
+        extensions.apply(extensions.BY_NAME["optimizer_builder"],
+                         _glm5_get_megatron_optimizer(training.get_megatron_optimizer))
         _INSTALLED.append("optimizer: steps with a NaN/inf gradient norm or updated weight skipped and counted; "
                           "fp32 islands in their own param groups under bf16; --fused-optimizer-step; "
                           "--torch-fused-adam")

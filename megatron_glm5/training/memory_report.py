@@ -127,9 +127,10 @@ def report_memory_cpu(name, process_group=None):
 
 def install() -> None:
     """Make :func:`report_theoretical_memory` the one Megatron-LM's trainer calls, and on a machine without CUDA
-    :func:`report_memory_cpu` its ``report_memory``."""
-    from megatron.training import training
+    :func:`report_memory_cpu` its ``report_memory``; version-guarded through :mod:`megatron_glm5.extensions`
+    (another megatron-core release is refused with one line)."""
+    from megatron_glm5 import extensions
 
-    training.report_theoretical_memory = report_theoretical_memory
+    extensions.apply(extensions.BY_NAME["memory_report"], report_theoretical_memory)
     if not torch.cuda.is_available():
-        training.report_memory = report_memory_cpu
+        extensions.apply(extensions.BY_NAME["memory_report_cpu"], report_memory_cpu)

@@ -349,7 +349,6 @@ def _saving(save_checkpoint):
             raise SaveFailed(f"--save {run.save}: the checkpoint of iteration {int(iteration)} could not be written "
                              f"({cause}; {folder} is incomplete and not tracked)") from e
 
-    save.glm5_hook = True
     return save
 
 
@@ -369,7 +368,6 @@ def _finalizing(maybe_finalize_async_save):
             raise SaveFailed(f"--save {save}: an asynchronous checkpoint save could not be finished "
                              f"({_writer_error(e, save)}; its folder is incomplete and not tracked)") from e
 
-    finalize.glm5_hook = True
     return finalize
 
 
@@ -410,7 +408,6 @@ def _recording_writer(write_preloaded_data):
             _WRITER_ERRORS.append(out[1])
         return out
 
-    write.glm5_hook = True
     return staticmethod(write)
 
 
@@ -424,7 +421,6 @@ def _own_checkpoints_only(delete_impl):
             return None
         return delete_impl(save_path, iteration_to_delete, *args, **kwargs)
 
-    delete.glm5_hook = True
     return delete
 
 
@@ -445,30 +441,79 @@ def _cleanup_own_non_persistent(save_dir, leave_ckpt_num=1, do_async=False):
             shutil.rmtree(path, ignore_errors=True)
 
 
-_cleanup_own_non_persistent.glm5_hook = True
+
+
+# the parts of the one save_checkpoint wrapper, switched on by their installers: 'loader' (a function of the save it
+# wraps, :mod:`megatron_glm5.training.data_loaders`), 'guard' (:func:`install`), 'nonfinite'
+# (:func:`megatron_glm5.training.megatron_hooks.install`)
+SAVE_PARTS: dict = {"loader": None, "guard": False, "nonfinite": False}
+
+
+def _save_checkpoint(upstream):
+    """Megatron-LM's ``save_checkpoint`` ``upstream`` with this project's parts of :data:`SAVE_PARTS`, outermost
+    first: the Energon loader state written into the checkpoint folder, the save guard (:func:`_saving`: what is
+    written recorded, a failed write one :class:`SaveFailed` line), the refusal to save a NaN/inf model or an
+    untrained indexer warm-up (:func:`megatron_glm5.training.megatron_hooks._refuse_nonfinite_save`)."""
+
+    def save_checkpoint(iteration, *args, **kwargs):
+        from megatron_glm5.training.megatron_hooks import _refuse_nonfinite_save
+
+        save = upstream
+        if SAVE_PARTS["nonfinite"]:
+            save = _refuse_nonfinite_save(save)
+        if SAVE_PARTS["guard"]:
+            save = _saving(save)
+        if SAVE_PARTS["loader"] is not None:
+            save = SAVE_PARTS["loader"](save)
+        return save(iteration, *args, **kwargs)
+
+    save_checkpoint.upstream = upstream
+    return save_checkpoint
+
+
+def install_save_checkpoint(part: str, value=True) -> bool:
+    """Switch on ``part`` of :data:`SAVE_PARTS` (``value``) and make :func:`_save_checkpoint` the
+    ``save_checkpoint`` of ``megatron.training.training`` (idempotent; the ``save_checkpoint`` record of
+    :mod:`megatron_glm5.extensions`). Returns whether ``part`` was off before."""
+    from megatron.training import training
+
+    from megatron_glm5 import extensions
+
+    record = extensions.BY_NAME["save_checkpoint"]
+    extensions.guard(record)
+    if not extensions.installed(training, "save_checkpoint"):
+        extensions.apply(record, _save_checkpoint(training.save_checkpoint))
+    was_off = not SAVE_PARTS[part]
+    SAVE_PARTS[part] = value
+    return was_off
 
 
 def install() -> List[str]:
     """Install the hooks into ``megatron.training`` (idempotent); returns their descriptions."""
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+    from megatron_glm5 import extensions
 
-    require_version(TRAINER_VERSIONS, "the save guards (training/save_guard.py)")
+    record = extensions.BY_NAME["save_guards"]
+    extensions.guard(record)
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.training import checkpointing, training
 
     done = _INSTALLED
-    if not isinstance(checkpointing.maybe_msc, _AtomicTrackerStorage):
-        checkpointing.maybe_msc = _AtomicTrackerStorage(checkpointing.maybe_msc)
+    if not extensions.installed(checkpointing, "maybe_msc"):
+        extensions.apply(record, _AtomicTrackerStorage(checkpointing.maybe_msc), owner=checkpointing,
+                         attr="maybe_msc")
         done.append("the tracker replaced atomically")
-    if not getattr(training.save_checkpoint, "glm5_hook", False):
-        training.save_checkpoint = _saving(training.save_checkpoint)
+    if install_save_checkpoint("guard"):
         done.append("a failed save is one line, the tracker on the last complete checkpoint")
-    if not getattr(training.maybe_finalize_async_save, "glm5_hook", False):
-        training.maybe_finalize_async_save = _finalizing(training.maybe_finalize_async_save)
-    if not getattr(FileSystemWriterAsync.write_preloaded_data, "glm5_hook", False):
-        FileSystemWriterAsync.write_preloaded_data = _recording_writer(FileSystemWriterAsync.write_preloaded_data)
-    if not getattr(checkpointing._async_delete_checkpoint_impl, "glm5_hook", False):
-        checkpointing._async_delete_checkpoint_impl = _own_checkpoints_only(checkpointing._async_delete_checkpoint_impl)
-        checkpointing.cleanup_old_non_persistent_checkpoint = _cleanup_own_non_persistent
+    if not extensions.installed(training, "maybe_finalize_async_save"):
+        extensions.apply(record, _finalizing(training.maybe_finalize_async_save), owner=training,
+                         attr="maybe_finalize_async_save")
+    if not extensions.installed(FileSystemWriterAsync, "write_preloaded_data"):
+        extensions.apply(record, _recording_writer(FileSystemWriterAsync.write_preloaded_data),
+                         owner=FileSystemWriterAsync, attr="write_preloaded_data")
+    if not extensions.installed(checkpointing, "_async_delete_checkpoint_impl"):
+        extensions.apply(record, _own_checkpoints_only(checkpointing._async_delete_checkpoint_impl),
+                         owner=checkpointing, attr="_async_delete_checkpoint_impl")
+        extensions.apply(record, _cleanup_own_non_persistent, owner=checkpointing,
+                         attr="cleanup_old_non_persistent_checkpoint")
         done.append("--save-retain-interval and non-persistent clean-up delete only this run's checkpoints")
     return done
