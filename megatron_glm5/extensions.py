@@ -209,6 +209,12 @@ REGISTRY: Tuple[Extension, ...] = (
               "the process peak resident memory instead of CUDA's", "no CUDA memory on a CPU",
               "megatron_glm5.training.memory_report.install", when=_CPU,
               guard_line="the memory report (training/memory_report.py)"),
+    Extension("quiet_prints", (_T + "checkpointing.print_rank_0",), "wrap",
+              "Megatron-LM's console lines of training/quiet.py QUIET_PRINTS dropped (release-checkpoint notices)",
+              "they decide nothing for a release checkpoint (no run arguments, RNG or rerun state in it)",
+              "megatron_glm5.training.quiet.install_prints", test="tests/test_quiet_start.py",
+              when="a run with its flags read", guard_line="the filter of Megatron-LM's console lines "
+                                                           "(training/quiet.py)"),
     Extension("mtp_metrics", (_M + "transformer.multi_token_prediction.MTPLossLoggingHelper.track_mtp_metrics",),
               "wrap", "MTP metrics written without the cumulative acceptance rate", "it is not this run's",
               "megatron_glm5.training.moe_load_logging.install"),

@@ -40,14 +40,14 @@ objs = owners()
 before = {n: dict(vars(o)) for n, o in objs.items()}
 from megatron_glm5.cpu_compat import enable_cpu_compat
 from megatron_glm5.initialize import install_patches
-from megatron_glm5.training import flops, megatron_hooks, memory_report, moe_load_logging, save_guard
+from megatron_glm5.training import flops, megatron_hooks, memory_report, moe_load_logging, quiet, save_guard
 enable_cpu_compat()
 install_patches()
 megatron_hooks.install(); flops.install(); memory_report.install(); moe_load_logging.install(); save_guard.install()
-megatron_hooks.install_checkpoint_writer_queue()
+megatron_hooks.install_checkpoint_writer_queue(); quiet.install_prints()
 again = {n: dict(vars(o)) for n, o in objs.items()}
 install_patches()
-megatron_hooks.install(); memory_report.install(); save_guard.install()
+megatron_hooks.install(); memory_report.install(); save_guard.install(); quiet.install_prints()
 changed = sorted(n + "." + k for n in objs for k in set(before[n]) | set(again[n])
                  if k != "__annotations__" and again[n].get(k, "<none>") is not before[n].get(k, "<none>"))
 twice = sorted(n + "." + k for n, o in objs.items() for k in vars(o) if vars(o)[k] is not again[n].get(k))

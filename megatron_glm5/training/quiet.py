@@ -198,28 +198,26 @@ def _filtered_print(upstream, entries):
                     return None
         return upstream(message, *a, **kw)
 
-    print_rank_0.glm5_upstream = upstream
     return print_rank_0
 
 
 def install_prints() -> bool:
     """Replace ``print_rank_0`` in each module of :data:`QUIET_PRINTS` by one that drops its lines there (as their
-    ``when`` says at print time); every other line prints. Idempotent; False (one notice line) on a megatron-core
-    whose ``megatron.training`` this is not written for."""
+    ``when`` says at print time); every other line prints. Through :mod:`megatron_glm5.extensions` (record
+    ``quiet_prints``: version-guarded, idempotent); returns whether the filter is in place."""
     import importlib
 
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, skip_notice
+    from megatron_glm5 import extensions
 
-    if not skip_notice(TRAINER_VERSIONS, "the filter of Megatron-LM's console lines (training/quiet.py)"):
-        return False
+    record = extensions.BY_NAME["quiet_prints"]
     by_module = {}
     for q in QUIET_PRINTS:
         by_module.setdefault(q.module, []).append((re.compile(q.message), q))
+    modules = {name: importlib.import_module(name) for name in by_module}
     for name, entries in by_module.items():
-        module = importlib.import_module(name)
-        upstream = getattr(module.print_rank_0, "glm5_upstream", module.print_rank_0)
-        module.print_rank_0 = _filtered_print(upstream, entries)
-    return True
+        extensions.apply(record, _filtered_print(modules[name].print_rank_0, entries), owner=modules[name],
+                         attr="print_rank_0")
+    return all(extensions.installed(module, "print_rank_0") for module in modules.values())
 
 
 def install_logs(args=None) -> None:
