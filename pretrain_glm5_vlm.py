@@ -77,7 +77,7 @@ def _datasets(train_val_test_num_samples):
     from megatron_glm5.data.tokenizer import build_tokenizer
     from megatron_glm5.training.arguments import model_config_from_args
     from megatron_glm5.training.data_loaders import external_loaders
-    from megatron_glm5.training.moe_load_logging import PACKING_EFFICIENCY
+    from megatron_glm5.training.data_accounting import PACKING_EFFICIENCY
 
     args = get_args()
     tokenizer = build_tokenizer(args.tokenizer_model) if args.tokenizer_model else None

@@ -17,19 +17,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from megatron_glm5.supported_versions import FIXES_VERSIONS, PERMUTATION_VERSIONS, TRAINER_VERSIONS  # noqa: F401
+
 TORCH_CHECKED = "2.13.0"
 """The torch release every record was checked on."""
-
-TRAINER_VERSIONS = ("0.19.2", "0.19.2")
-"""First and last megatron-core release whose ``megatron.training`` functions, checkpoint reads and CUDA calls the
-trainer hooks, read guards and CPU redirects replace or wrap as they are written here (refused outside it)."""
-
-FIXES_VERSIONS = ("0.16.1", "0.19.2")
-"""First and last megatron-core release known to have every defect of ``mcore_fixes.py`` (left out outside it)."""
-
-PERMUTATION_VERSIONS = ("0.16.1", "0.19.2")
-"""First and last megatron-core release whose ``token_dispatcher`` calls the functions ``models/token_permutation.py``
-replaces as they are there (left out outside it)."""
 
 # record.versions names one of these ranges; it is read from its home module when a change is installed (a test may
 # set another range there)

@@ -62,7 +62,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron_glm5.data import index_cache
 from megatron_glm5.mcore_version import MCORE_VERSION, version_in
 
-from megatron_glm5.extensions import FIXES_VERSIONS as AFFECTED_VERSIONS  # noqa: E402 - first and last release with every bug above
+from megatron_glm5.supported_versions import FIXES_VERSIONS as AFFECTED_VERSIONS  # noqa: E402 - first and last release with every bug above
 
 
 def needs_fixes(version: str = MCORE_VERSION) -> bool:

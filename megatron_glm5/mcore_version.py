@@ -24,7 +24,7 @@ from megatron.core.package_info import __version__ as MCORE_VERSION
 __all__ = ["MCORE_VERSION", "TRAINER_VERSIONS", "UnsupportedMegatronCore", "require_version", "skip_notice",
            "version_in"]
 
-from megatron_glm5.extensions import TRAINER_VERSIONS  # noqa: E402 - the trainer hooks' releases, one home
+from megatron_glm5.supported_versions import TRAINER_VERSIONS  # noqa: E402 - the trainer hooks' releases, one home
 
 
 class UnsupportedMegatronCore(RuntimeError):

@@ -205,12 +205,12 @@ def test_warmup_whose_every_step_was_skipped_is_not_saved(monkeypatch, updated, 
 
     from megatron.training import global_vars
 
-    from megatron_glm5.training.megatron_hooks import TrainingStopped, _refuse_nonfinite_save
+    from megatron_glm5.training.megatron_hooks import TrainingStopped, refuse_nonfinite_save
 
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", argparse.Namespace(dsa_indexer_warmup=2,
                                                                          dsa_indexer_warmup_stage=True))
     saves = []
-    save = _refuse_nonfinite_save(lambda it, model, *a, **kw: saves.append(it))
+    save = refuse_nonfinite_save(lambda it, model, *a, **kw: saves.append(it))
     model = torch.nn.Linear(2, 2)
     optimizer = argparse.Namespace(glm5_steps={"updated": updated, "skipped": skipped, "in_a_row": skipped})
     if refused:

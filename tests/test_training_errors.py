@@ -408,10 +408,10 @@ def test_update_making_weights_inf_is_skipped_on_every_rank_with_the_distributed
 
 
 def test_model_holding_nan_is_not_saved():
-    from megatron_glm5.training.megatron_hooks import TrainingStopped, _refuse_nonfinite_save
+    from megatron_glm5.training.megatron_hooks import TrainingStopped, refuse_nonfinite_save
 
     saved = []
-    save = _refuse_nonfinite_save(lambda iteration, model, *a, **k: saved.append(iteration))
+    save = refuse_nonfinite_save(lambda iteration, model, *a, **k: saved.append(iteration))
     model = torch.nn.Linear(4, 4)
     model.register_buffer("expert_bias", torch.zeros(4))
     save(3, [model], None, None, 0)

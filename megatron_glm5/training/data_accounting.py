@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import List, Optional
 
 import torch
 from megatron.training import get_args
@@ -16,7 +17,11 @@ from megatron_glm5.data import DataError
 from megatron_glm5.data.vqa import placeholder_ids
 from megatron_glm5.errors import one_line
 from megatron_glm5.training.arguments import PROG
-from megatron_glm5.training.moe_load_logging import PACKING_EFFICIENCY
+
+
+PACKING_EFFICIENCY: List[Optional[float]] = [None]
+"""The share of real tokens in the packed image+text rows so far (None: no packed rows), written as the
+``packing-efficiency`` scalar by :mod:`megatron_glm5.training.moe_load_logging`."""
 
 
 def data_error_exit(e: Exception):

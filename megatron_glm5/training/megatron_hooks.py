@@ -192,7 +192,7 @@ def _untrained_warmup(iteration: int, optimizer) -> str:
             "saved")
 
 
-def _refuse_nonfinite_save(upstream):
+def refuse_nonfinite_save(upstream):
     """Megatron-LM's ``save_checkpoint``, refusing (:class:`TrainingStopped`, on every rank) to save a model that
     holds a NaN/inf weight on any rank, or the indexer warm-up's last checkpoint when none of its steps trained
     (:func:`_untrained_warmup`): the previous checkpoint stays the last one."""
@@ -431,7 +431,7 @@ def install() -> None:
                           "unpickled without code")
     from megatron_glm5.training.save_guard import install_save_checkpoint
 
-    if install_save_checkpoint("nonfinite"):
+    if install_save_checkpoint("nonfinite", refuse_nonfinite_save):
         _INSTALLED.append("checkpoints: a model holding NaN/inf weights is not saved (the run stops)")
     from megatron_glm5.training.checkpoint_checks import install_schedule_check
 

@@ -13,14 +13,13 @@ megatron-core's ``finalize_model_grads`` uses for the aux-loss-free expert-bias 
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 
-PACKING_EFFICIENCY: List[Optional[float]] = [None]  # set by the datasets provider (packed rows)
 
 
 def _routers(model) -> list:
@@ -54,6 +53,8 @@ def finalize_grads_and_log_expert_loads(model, num_tokens=None, pg_collection=No
     scalars = expert_load_imbalance([r.local_tokens_per_expert.detach().clone() for r in _routers(model)]) \
         if log_now else {}
     finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    from megatron_glm5.training.data_accounting import PACKING_EFFICIENCY, write_data_counts
+
     if PACKING_EFFICIENCY[0] is not None and log_now:
         scalars["packing-efficiency"] = PACKING_EFFICIENCY[0]
     writer = get_tensorboard_writer()
@@ -61,8 +62,6 @@ def finalize_grads_and_log_expert_loads(model, num_tokens=None, pg_collection=No
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, iteration)
         if log_now:
-            from megatron_glm5.training.data_accounting import write_data_counts
-
             write_data_counts(writer, iteration)
 
 

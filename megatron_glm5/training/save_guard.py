@@ -443,24 +443,22 @@ def _cleanup_own_non_persistent(save_dir, leave_ckpt_num=1, do_async=False):
 
 
 
-# the parts of the one save_checkpoint wrapper, switched on by their installers: 'loader' (a function of the save it
-# wraps, :mod:`megatron_glm5.training.data_loaders`), 'guard' (:func:`install`), 'nonfinite'
-# (:func:`megatron_glm5.training.megatron_hooks.install`)
-SAVE_PARTS: dict = {"loader": None, "guard": False, "nonfinite": False}
+# the parts of the one save_checkpoint wrapper, switched on by their installers: 'loader' and 'nonfinite' (functions of
+# the save they wrap: :mod:`megatron_glm5.training.data_loaders`,
+# :func:`megatron_glm5.training.megatron_hooks.refuse_nonfinite_save`), 'guard' (:func:`install`)
+SAVE_PARTS: dict = {"loader": None, "guard": False, "nonfinite": None}
 
 
 def _save_checkpoint(upstream):
     """Megatron-LM's ``save_checkpoint`` ``upstream`` with this project's parts of :data:`SAVE_PARTS`, outermost
     first: the Energon loader state written into the checkpoint folder, the save guard (:func:`_saving`: what is
     written recorded, a failed write one :class:`SaveFailed` line), the refusal to save a NaN/inf model or an
-    untrained indexer warm-up (:func:`megatron_glm5.training.megatron_hooks._refuse_nonfinite_save`)."""
+    untrained indexer warm-up (:func:`megatron_glm5.training.megatron_hooks.refuse_nonfinite_save`)."""
 
     def save_checkpoint(iteration, *args, **kwargs):
-        from megatron_glm5.training.megatron_hooks import _refuse_nonfinite_save
-
         save = upstream
-        if SAVE_PARTS["nonfinite"]:
-            save = _refuse_nonfinite_save(save)
+        if SAVE_PARTS["nonfinite"] is not None:
+            save = SAVE_PARTS["nonfinite"](save)
         if SAVE_PARTS["guard"]:
             save = _saving(save)
         if SAVE_PARTS["loader"] is not None:
