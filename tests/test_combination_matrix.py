@@ -111,9 +111,11 @@ def cell_dict(cell: Sequence[str]) -> Dict[str, str]:
 
 # Known failures: (predicate, reason); a cell listed here is xfail(strict=True).
 KNOWN_FAILURES: List[Tuple[object, str]] = [
-    (lambda c: c["data"] == "vqa" and c["layout"] == "tp2sp" and c["indexer"] == "sparse" and c["precision"] == "bf16",
-     "bf16 TP2+SP with the sparse indexer stage on VQA rows: steps 1-2 within 5.2e-4 of 1 rank, steps 3-4 2.4e-2 / "
-     "3.0e-2 (2026-12-07; the indexer's top-k selection on bf16 scores is the first suspect, not yet found)"),
+    (lambda c: c["precision"] == "bf16" and (c["layout"], c["data"]) in {("tp2sp", "vqa"), ("tp2sp", "energon"),
+                                                                        ("ep2", "energon")},
+     "bf16 TP2+SP / EP2 on image rows: steps 1-2 within 5.2e-4 of 1 rank, then 1.5e-2 (Energon TP2+SP, step 3) / "
+     "2.4e-2 and 3.0e-2 (VQA TP2+SP with the sparse indexer, steps 3-4); Energon EP2 failed too (2026-12-07; cause "
+     "not yet found: the mock-data bf16 TP2+SP and the VQA bf16 EP2 cells stay within 2^-8)"),
 ]
 # Combinations the project refuses up front: (predicate, the one line on stderr).
 REFUSED: List[Tuple[object, str]] = []
