@@ -5,11 +5,13 @@
 #   sbatch --nodes 8 --gpus-per-node 8 examples/pretrain_glm5_flash_slurm.sh DATA_PREFIX TOKENIZER_DIR OUT_DIR
 #   DRY_RUN=1 NNODES=8 bash examples/pretrain_glm5_flash_slurm.sh ...   # check the flags on any machine, no GPUs
 #
-# The layout is what `python scripts/plan_layout.py --gpus 64 --seq-length 4096 --global-batch-size 1024 --search`
-# ranks first for the released model on 64 H200 (8 nodes), 4K context: TP 4 with sequence parallelism, PP 8 with two
-# virtual stages per rank (the planner's pipeline layout string: embedding + 2 layers first, the MTP layer and the
-# loss last), EP 8, ETP 1, DP 2, distributed optimizer, selective recompute (the mixers' internals); ~119 GB on the
-# fullest stage. Run the planner again for other GPU counts, context lengths or H100s (--gpu h100).
+# The layout is what `python scripts/plan_layout.py --gpus 64 --gpu h100 --seq-length 4096 --global-batch-size 1024
+# --search` ranks first for full fine-tuning of the released model on 64 H100 (8 nodes), 4K context: TP 4 with
+# sequence parallelism, PP 8 with two virtual stages per rank (the planner's pipeline layout string: embedding + 2
+# layers first, the MTP layer and the loss last), EP 8, ETP 1, DP 2, the distributed optimizer with 16-bit moments and
+# gradients (--use-precision-aware-optimizer: Transformer Engine's FusedAdam), half of the optimizer on the host
+# (--optimizer-cpu-offload), selective recompute (the mixers' internals); ~63 GB on the fullest stage (an estimate).
+# Run the planner again for other GPU counts, context lengths or H200s (--gpu h200).
 # Preemption: Slurm's SIGTERM is caught (--exit-signal-handler), a checkpoint saved, and the same script resumes.
 #SBATCH --job-name=glm5-flash
 #SBATCH --ntasks-per-node=1
@@ -27,7 +29,9 @@ ARGS=(
     --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 8
     --pipeline-model-parallel-layout 'Et*2|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*3|t*2|t*2mL'
     --expert-model-parallel-size 8 --expert-tensor-parallel-size 1
-    --use-distributed-optimizer --recompute-granularity selective
+    --use-distributed-optimizer --use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16
+    --exp-avg-sq-dtype bf16 --optimizer-cpu-offload --optimizer-offload-fraction 0.5 --overlap-cpu-optimizer-d2h-h2d
+    --recompute-granularity selective
     --overlap-grad-reduce --bf16
     --data-path "$DATA" --tokenizer-model "$TOK" --split 969,30,1
     --seq-length 4096 --micro-batch-size 1 --global-batch-size 1024

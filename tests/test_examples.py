@@ -72,7 +72,7 @@ def test_slurm_layout_is_the_planners_first_choice():
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plan_layout.py"), "--gpus", "64",
-                           "--seq-length", "4096", "--global-batch-size", "1024", "--search", "--json"],
+                           "--gpu", "h100", "--seq-length", "4096", "--global-batch-size", "1024", "--search", "--json"],
                           capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     best = json.loads(proc.stdout)[0]["flags"]

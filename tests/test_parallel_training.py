@@ -64,6 +64,7 @@ def _initial_checkpoint(workdir, variant: str, name: str = "init", edit=None):
         return root, root / "ckpt"
     from megatron.core import dist_checkpointing
 
+    from megatron_glm5.checkpoint.checksums import write_manifest
     from megatron_glm5.checkpoint.tracker import CHECKPOINT_VERSION
 
     from megatron_glm5.config import Glm5Config
@@ -86,6 +87,7 @@ def _initial_checkpoint(workdir, variant: str, name: str = "init", edit=None):
     dist_checkpointing.save({**model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION},
                             str(root / "ckpt" / "release"))
     (root / "ckpt" / "release" / "hf_config.json").write_text(json.dumps(hf))
+    write_manifest(str(root / "ckpt" / "release"))  # as the converter writes it: the trainer verifies it
     (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text("release")
     return root, root / "ckpt"
 
