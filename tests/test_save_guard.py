@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_glm5.checkpoint.atomic import output_lock
-from tests.training_harness import PRETRAIN, REPO, TINY, error_lines, read_dist_checkpoint, run, scalars
+from tests.training_harness import PRETRAIN, REPO, TINY, error_lines, read_dist_checkpoint, run, scalars, user_pythonpath
 
 FAULT_RUN = os.path.join(REPO, "tests", "save_fault_run.py")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -276,7 +276,7 @@ needs_mounts = pytest.mark.skipif(not _namespaces_work(), reason="needs unshare 
 def _run_in_namespace(setup: str, args, after: str = "") -> subprocess.CompletedProcess:
     """``pretrain_glm5_vlm.py args`` in a private mount namespace after the shell commands ``setup`` (mounts that
     only this process sees); ``after`` runs when it ended; the run's exit status is returned."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+    env = dict(os.environ, PYTHONPATH=user_pythonpath(), PYTHONUNBUFFERED="1",
                PYTHONWARNINGS="ignore", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)

@@ -19,10 +19,21 @@ TINY = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size
         "--lr", "1e-2", "--lr-warmup-iters", "2", "--min-lr", "1e-3", "--log-interval", "1", "--eval-iters", "0"]
 
 
+def user_pythonpath() -> str:
+    """``PYTHONPATH`` for a program run as in the user's environment: the repository, then this process's path less
+    the test run's own folder (``$MEGATRON_GLM5_TEST_SITE``: flash-linear-attention, which the README's environment
+    does not hold and which megatron-core's hybrid models would otherwise import into every trainer, ~3 s each)."""
+    site = os.environ.get("MEGATRON_GLM5_TEST_SITE")
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (site and os.path.abspath(p) == os.path.abspath(site))]
+    return os.pathsep.join([REPO] + rest)
+
+
 def run(args: List[str], script: str = PRETRAIN, timeout: int = 900, env: Optional[dict] = None,
         nproc: int = 1) -> subprocess.CompletedProcess:
-    """Run the training script in a fresh process (``torchrun`` with gloo when ``nproc`` > 1)."""
-    full_env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    """Run the training script in a fresh process (``torchrun`` with gloo when ``nproc`` > 1), in the user's
+    environment (:func:`user_pythonpath`)."""
+    full_env = dict(os.environ, PYTHONPATH=user_pythonpath(),
                     PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # set by in-process tests
         full_env.pop(var, None)
