@@ -90,10 +90,18 @@ BASE = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size
     ["--hf-config", "/nonexistent"],
     ["--loss-on-all-turns", "--loss-on-last-turn-only"],         # mutually exclusive
     ["--lr"],                                                    # value missing
+    ["--lr-warmup-iters", "2"],                                  # the schedule (check_layout_and_schedule)
+    ["--min-lr", "1"],
+    ["--tensor-model-parallel-size", "2"],                       # the layout against the world of one process
+    ["--global-batch-size", "3"],
+    ["--save-interval", "5"],                                    # needs --save
+    ["--cuda-graph-impl", "local"],                              # refused (check_unsupported_features)
 ])
-def test_front_parser_says_what_the_full_parse_says(capsys, extra):
+def test_front_parser_says_what_the_full_parse_says(capsys, monkeypatch, extra):
     """Each error line of the front parser is the full parse's line for the same command line."""
     from megatron_glm5.training.arguments import parse_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # a world of one process, as the full parse is told
 
     with pytest.raises(SystemExit) as front:
         flag_table.check_flags_fast(BASE + extra, prog="pretrain_glm5_vlm.py")
@@ -173,6 +181,15 @@ def test_tool_help_and_argument_errors_without_torch(script):
     prog = os.path.basename(script)[:-len(".py")]
     assert (code, heavy, out) == (2, [], "")
     assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+    assert wall < WALL_S, wall
+
+
+def test_schedule_error_without_torch():
+    """A learning-rate schedule that cannot run: the full parse's line, before torch is imported."""
+    code, heavy, out, err, wall = run_script("pretrain_glm5_vlm.py", BASE + ["--lr-warmup-iters", "2"])
+    assert (code, heavy, out) == (2, [], "")
+    assert err == ["pretrain_glm5_vlm.py: error: --lr-warmup-iters: 2 must be below the decay iterations (2; "
+                   "--lr-decay-iters defaults to --train-iters)"], err
     assert wall < WALL_S, wall
 
 

@@ -674,7 +674,9 @@ def _one_line_parser_errors(prog: str):
 
 def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
     """The flags Megatron-LM checks with a bare ``assert`` (or not at all) that a user gets wrong most: checked first,
-    naming the flag. ``config``: the architecture's Glm5Config."""
+    naming the flag, then :func:`check_unsupported_features`. ``config``: the architecture's Glm5Config, read by the
+    last check only (the MoE layers' sequence parallelism); None leaves that check to the full parse (the flag
+    table's front parser runs these checks before torch is imported, :func:`check_layout_without_torch`)."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     _require(args.micro_batch_size is not None, "--micro-batch-size", "required")  # >= 1: check_numeric_flags
     _require(args.world_size % (tp * pp * cp) == 0, "--tensor-model-parallel-size",
@@ -688,9 +690,6 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
         _require(args.global_batch_size >= 1 and args.global_batch_size % (args.micro_batch_size * dp) == 0,
                  "--global-batch-size", f"{args.global_batch_size} is not divisible by micro batch "
                  f"{args.micro_batch_size} x data parallel {dp}")
-    if config.num_moe_experts and tp > 1 and not args.sequence_parallel:
-        raise ArgumentError("--sequence-parallel", f"required with --tensor-model-parallel-size {tp} on this MoE "
-                            "model (megatron-core's MoE layers need it)")
     _require(args.seq_length is not None and args.seq_length >= 2, "--seq-length", "required, >= 2")
     _require((args.train_iters or 0) >= 1 or (args.train_samples or 0) >= 1, "--train-iters",
              "required, >= 1 (or --train-samples)")
@@ -718,8 +717,22 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
                                                            or args.decoder_last_pipeline_num_layers is not None)),
              "--pipeline-model-parallel-layout", "give either a layout or --decoder-first/last-pipeline-num-layers")
     check_unsupported_features(args)
-    if os.environ.get("MEGATRON_GLM5_CHECK_ARGS") != "1":  # the examples' dry run checks the flags for the
-        check_machine_support(args)                          # cluster's machines, not for this one
+    if config is not None and config.num_moe_experts and tp > 1 and not args.sequence_parallel:
+        raise ArgumentError("--sequence-parallel", f"required with --tensor-model-parallel-size {tp} on this MoE "
+                            "model (megatron-core's MoE layers need it)")
+
+
+def check_layout_without_torch(args: argparse.Namespace) -> None:
+    """:func:`check_layout_and_schedule` on the flag table's front parse (no torch, no model config: all but its
+    last check) for a world of ``$WORLD_SIZE``, as Megatron-LM's parser sets it; with ``--yaml-cfg`` (the flags
+    replaced by a file) or a ``$WORLD_SIZE`` that is no integer (the launcher check says so) the full parse checks."""
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if getattr(args, "yaml_cfg", None) is None:
+        args.world_size = world_size
+        check_layout_and_schedule(args, None)
 
 
 def check_unsupported_features(args: argparse.Namespace) -> None:
@@ -839,6 +852,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
         check_layout_and_schedule(args, config)
+        if os.environ.get("MEGATRON_GLM5_CHECK_ARGS") != "1":  # the examples' dry run checks the flags for the
+            check_machine_support(args)                          # cluster's machines, not for this one
         given = given_options(argv, provider.parser._actions)
         validate_glm5_args(args, arch, hf, given)
         args.hf_config_dict = hf

@@ -7,8 +7,10 @@ flag's option strings, dest, action, type name, nargs, choices, default (and the
 on CUDA, :func:`~megatron_glm5.training.arguments.machine_defaults`), help, group, the bound of a numeric flag
 (:func:`~megatron_glm5.training.arguments.flag_bound`) and whether this model refuses it. :func:`check_flags_fast`
 serves ``--help`` from it (the GLM groups first, every default shown, refused flags marked) and reports an unknown
-flag (with the closest known one), a bad value (type, choice, bound) or a bad ``--hf-config`` / ``--model-preset``
-/ ``--num-layers`` in one ``PROG: error: ...`` line, exit 2, before torch is imported; the full parse
+flag (with the closest known one), a bad value (type, choice, bound), a bad ``--hf-config`` / ``--model-preset``
+/ ``--num-layers`` or a parallel layout / schedule that cannot run (world size, batch sizes, learning-rate schedule,
+:func:`~megatron_glm5.training.arguments.check_layout_without_torch`) in one ``PROG: error: ...`` line, exit 2,
+before torch is imported; the full parse
 (:func:`~megatron_glm5.training.arguments.parse_args`) stays the authority. With another megatron-core installed
 than the snapshot's, the front parser steps aside.
 
@@ -271,7 +273,8 @@ def front_parser(table: dict, prog: str) -> argparse.ArgumentParser:
 def check_flags_fast(argv: Optional[List[str]] = None, prog: str = "pretrain_glm5_vlm.py") -> bool:
     """``--help`` (printed, exit 0) and the checks that need no torch (one line, exit 2), from the snapshot.
     Returns False, having done nothing, when the snapshot does not match the installed megatron-core."""
-    from megatron_glm5.training.arguments import check_architecture_flags, check_numeric_flags, fail, suggest_flag
+    from megatron_glm5.training.arguments import (check_architecture_flags, check_layout_without_torch,
+                                                  check_numeric_flags, fail, suggest_flag)
 
     table = load_table()
     if table is None:
@@ -286,6 +289,7 @@ def check_flags_fast(argv: Optional[List[str]] = None, prog: str = "pretrain_glm
         check_architecture_flags(argv)
         args = parser.parse_args(argv)
         check_numeric_flags(args, parser._actions)
+        check_layout_without_torch(args)
     except ArgumentError as e:
         fail(str(e), prog)
     return True
