@@ -238,10 +238,13 @@ def install_dcp_read_guards() -> bool:
     unpickler, storage files inside the checkpoint), ``DefaultLoadPlanner.load_bytes`` use :func:`load_byte_item`,
     and megatron-core's legacy ``common.pt`` reader ``weights_only=True``. Idempotent; returns whether it installed
     them now."""
-    from torch.distributed.checkpoint import default_planner, filesystem
+    from torch.distributed.checkpoint import default_planner
 
-    if getattr(filesystem.FileSystemReader.read_metadata, "glm5_guard", False):
-        return False
+    from megatron_glm5 import extensions
+
+    record = extensions.BY_NAME["dcp_read_guards"]
+    read_target, bytes_target, common_target = record.targets
+    upstream_read, upstream_bytes = extensions.current(record, read_target), extensions.current(record, bytes_target)
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -261,19 +264,17 @@ def install_dcp_read_guards() -> bool:
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
-    read_metadata.glm5_guard = load_bytes.glm5_guard = True
-    read_metadata.upstream = filesystem.FileSystemReader.read_metadata  # torch's (tests show what they would run)
-    load_bytes.upstream = default_planner.DefaultLoadPlanner.load_bytes
-    filesystem.FileSystemReader.read_metadata = read_metadata
-    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
+    read_metadata.upstream = upstream_read  # torch's (tests show what they would run)
+    load_bytes.upstream = upstream_bytes
+    now = extensions.apply(record, read_metadata, read_target)
+    extensions.apply(record, load_bytes, bytes_target)
     try:
-        from megatron.core.dist_checkpointing import serialization
         from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
     except ImportError:  # the converters' lean import: no megatron-core checkpoint loading here
-        return True
+        return now
 
     def load_common(checkpoint_dir: str):
         return torch_load_weights_only(os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
 
-    serialization.load_common = load_common
-    return True
+    extensions.apply(record, load_common, common_target)
+    return now

@@ -351,14 +351,10 @@ def install_schedule_check() -> bool:
     rate schedule differs from the checkpoint's; it raises one :class:`CheckpointDirError` line instead, naming the
     value, the flags behind it and the two ways to resume (Megatron-LM's --use-checkpoint-opt_param-scheduler /
     --override-opt_param-scheduler). Idempotent; returns whether it installed it now."""
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+    from megatron_glm5 import extensions
 
-    require_version(TRAINER_VERSIONS, "the learning-rate schedule check (training/checkpoint_checks.py)")
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    upstream = OptimizerParamScheduler._check_and_set
-    if getattr(upstream, "glm5_hook", False):
-        return False
+    record = extensions.BY_NAME["schedule_check"]
+    upstream = extensions.current(record)
 
     def _check_and_set(self, cls_value, sd_value, name):
         if self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler or cls_value == sd_value:
@@ -372,6 +368,4 @@ def install_schedule_check() -> bool:
             f"({_SCHEDULE_FLAGS.get(name, name)} changed since the save): keep the checkpoint's schedule with "
             "--use-checkpoint-opt_param-scheduler, or this run's with --override-opt_param-scheduler")
 
-    _check_and_set.glm5_hook = True
-    OptimizerParamScheduler._check_and_set = _check_and_set
-    return True
+    return extensions.apply(record, _check_and_set)

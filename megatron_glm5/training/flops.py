@@ -198,10 +198,8 @@ def num_floating_point_operations(args, batch_size, seqlen_squared_sum_in_batch=
 
 
 def install() -> None:
-    """Make :func:`num_floating_point_operations` the one Megatron-LM's trainer uses."""
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+    """Make :func:`num_floating_point_operations` the one Megatron-LM's trainer uses (registered as
+    ``flop_count`` in :mod:`megatron_glm5.extensions`)."""
+    from megatron_glm5 import extensions
 
-    require_version(TRAINER_VERSIONS, "the FLOP count of the trainer (training/flops.py)")
-    from megatron.training import training
-
-    training.num_floating_point_operations = num_floating_point_operations
+    extensions.apply(extensions.BY_NAME["flop_count"], num_floating_point_operations)

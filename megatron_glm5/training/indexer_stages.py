@@ -78,7 +78,6 @@ def _switching_load(upstream):
                      f"position and learning-rate schedule from {os.path.abspath(args.load)}; {moments}")
         return out
 
-    load_checkpoint.glm5_indexer_stage_switch = True
     return load_checkpoint
 
 
@@ -131,12 +130,7 @@ def _load_indexer_moments(model, optimizer, ckpt_dir: str, args) -> int:
 def install() -> bool:
     """Wrap the ``load_checkpoint`` that ``megatron.training.training`` calls (idempotent); True when installed
     now."""
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
+    from megatron_glm5 import extensions
 
-    require_version(TRAINER_VERSIONS, "the indexer stage switch (training/indexer_stages.py)")
-    from megatron.training import training
-
-    if getattr(training.load_checkpoint, "glm5_indexer_stage_switch", False):
-        return False
-    training.load_checkpoint = _switching_load(training.load_checkpoint)
-    return True
+    record = extensions.BY_NAME["indexer_stage_switch"]
+    return extensions.apply(record, _switching_load(extensions.current(record)))

@@ -92,19 +92,14 @@ class _WithoutCumulativeMtpRates:
 def install() -> None:
     """megatron-core's MTP metrics (``MTPLossLoggingHelper.track_mtp_metrics``, called by Megatron-LM's
     ``training_log``) written without the cumulative acceptance rate (:class:`_WithoutCumulativeMtpRates`)."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from megatron_glm5 import extensions
 
-    from megatron_glm5.mcore_version import TRAINER_VERSIONS, require_version
-
-    require_version(TRAINER_VERSIONS, "the MTP metrics logging (training/moe_load_logging.py)")
-    track = MTPLossLoggingHelper.track_mtp_metrics
-    if getattr(track, "glm5_hook", False):
-        return
+    record = extensions.BY_NAME["mtp_metrics"]
+    track = extensions.current(record)
 
     def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
         return track(loss_scale, iteration, writer if writer is None else _WithoutCumulativeMtpRates(writer),
                      wandb_writer if wandb_writer is None else _WithoutCumulativeMtpRates(wandb_writer),
                      total_loss_dict)
 
-    track_mtp_metrics.glm5_hook = True
-    MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)
+    extensions.apply(record, staticmethod(track_mtp_metrics))
