@@ -13,6 +13,7 @@ import pytest
 
 from megatron_glm5 import mcore_version
 from megatron_glm5.mcore_version import TRAINER_VERSIONS, UnsupportedMegatronCore
+from tests.training_harness import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OTHER = "0.20.0"  # a release none of the changes is written for
@@ -144,8 +145,8 @@ def test_pretrain_on_another_megatron_core_is_one_line(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(  # quiet as the entry is, then megatron-core reports OTHER
         "from megatron_glm5.errors import quiet_library_warnings\nquiet_library_warnings()\n"
         f"import megatron.core.package_info as p\np.__version__ = {OTHER!r}\n")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py"), "--model-preset", "glm5-tiny",
-                           "--mock-data", "--train-iters", "1"], capture_output=True, text=True, cwd=tmp_path,
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_glm5_vlm.py"), *TINY, "--mock-data",
+                           "--train-iters", "4"], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"},
                           timeout=300)
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
