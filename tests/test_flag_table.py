@@ -96,6 +96,11 @@ BASE = ["--model-preset", "glm5-tiny", "--seq-length", "32", "--micro-batch-size
     ["--global-batch-size", "3"],
     ["--save-interval", "5"],                                    # needs --save
     ["--cuda-graph-impl", "local"],                              # refused (check_unsupported_features)
+    ["--eval-iters", "5"],                                       # the data and output flags (no --eval-interval)
+    ["--data-path", "/nonexistent/prefix"],                      # --mock-data and --data-path
+    ["--dataset-type", "vqa"],                                   # mock data is text
+    ["--loss-on-all-turns"],                                     # chat only
+    ["--ckpt-format", "torch", "--save", "/nonexistent/ck", "--save-interval", "1"],
 ])
 def test_front_parser_says_what_the_full_parse_says(capsys, monkeypatch, extra):
     """Each error line of the front parser is the full parse's line for the same command line."""

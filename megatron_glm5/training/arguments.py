@@ -456,7 +456,9 @@ def given_options(argv: List[str], actions: List[argparse.Action]) -> Dict[str, 
 
 def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, given: Dict[str, str]) -> None:
     """The checks Megatron-LM's ``validate_args`` does not make for this model; raises :class:`ArgumentError`.
-    ``given``: :func:`given_options` of the command line."""
+    ``given``: :func:`given_options` of the command line. The flags' own first (:func:`check_data_and_output_flags`,
+    which the front parser runs too), then the architecture's, the outputs' and the checkpoints'."""
+    check_data_and_output_flags(args)
     for flag in _ARCHITECTURE_FLAGS:
         want = arch_defaults.get(flag)
         if want is None:
@@ -465,6 +467,22 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
             raise ArgumentError(given[flag], f"{getattr(args, flag)} contradicts the architecture of "
                                              f"{args.hf_config or args.model_preset} ({want}); leave it out")
         setattr(args, flag, want)  # over a Megatron-LM default (--moe-router-topk 2)
+    from megatron_glm5.training.save_guard import check_save_target, existing_folder  # --save loses nothing
+
+    check_save_target(args)  # before the --load checks: a --save that would lose data is named first
+    _check_indexer_training(args)  # the stage this run is in, which the --load checks read
+    _check_checkpoints(args, hf)
+    for flag in ("--tensorboard-dir", "--wandb-save-dir", "--data-cache-path"):  # folders Megatron-LM creates
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path:
+            _, blocked = existing_folder(path)
+            _require(blocked is None, flag, f"{path}: {blocked} exists and is not a folder")
+
+
+def check_data_and_output_flags(args: argparse.Namespace) -> None:
+    """The data, tokenizer, checkpoint-format and validation flags against each other and the files they name: no
+    torch, no model config (the flag table's front parser runs them before torch is imported,
+    :func:`check_layout_without_torch`). Sets ``args.eval_interval`` when validation is off."""
     files = [f for f in (args.data_path or []) if not _is_number(f)]
     numbers = [_is_number(f) for f in (args.data_path or [])]
     if any(numbers) and args.dataset_type == "gpt":  # megatron-core's get_blend_from_list reads the rest as prefixes
@@ -514,16 +532,6 @@ def validate_glm5_args(args: argparse.Namespace, arch_defaults: dict, hf: dict, 
                  "default; verified on load without unpickling code): leave --ckpt-format out")
     if args.save and os.path.exists(args.save):
         _require(os.path.isdir(args.save), "--save", f"{args.save} exists and is not a directory")
-    from megatron_glm5.training.save_guard import check_save_target, existing_folder  # --save loses nothing
-
-    check_save_target(args)  # before the --load checks: a --save that would lose data is named first
-    _check_indexer_training(args)  # the stage this run is in, which the --load checks read
-    _check_checkpoints(args, hf)
-    for flag in ("--tensorboard-dir", "--wandb-save-dir", "--data-cache-path"):  # folders Megatron-LM creates
-        path = getattr(args, flag[2:].replace("-", "_"), None)
-        if path:
-            _, blocked = existing_folder(path)
-            _require(blocked is None, flag, f"{path}: {blocked} exists and is not a folder")
     if args.eval_interval is None:
         _require(args.eval_iters == 0, "--eval-interval",
                  f"required with --eval-iters {args.eval_iters} (--eval-iters 0 turns validation off)")
@@ -723,9 +731,10 @@ def check_layout_and_schedule(args: argparse.Namespace, config) -> None:
 
 
 def check_layout_without_torch(args: argparse.Namespace) -> None:
-    """:func:`check_layout_and_schedule` on the flag table's front parse (no torch, no model config: all but its
-    last check) for a world of ``$WORLD_SIZE``, as Megatron-LM's parser sets it; with ``--yaml-cfg`` (the flags
-    replaced by a file) or a ``$WORLD_SIZE`` that is no integer (the launcher check says so) the full parse checks."""
+    """:func:`check_layout_and_schedule` (no torch, no model config: all but its last check) and
+    :func:`check_data_and_output_flags` on the flag table's front parse, for a world of ``$WORLD_SIZE`` as
+    Megatron-LM's parser sets it; with ``--yaml-cfg`` (the flags replaced by a file) or a ``$WORLD_SIZE`` that is no
+    integer (the launcher check says so) the full parse checks."""
     try:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
@@ -733,6 +742,7 @@ def check_layout_without_torch(args: argparse.Namespace) -> None:
     if getattr(args, "yaml_cfg", None) is None:
         args.world_size = world_size
         check_layout_and_schedule(args, None)
+        check_data_and_output_flags(args)
 
 
 def check_unsupported_features(args: argparse.Namespace) -> None:
