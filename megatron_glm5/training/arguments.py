@@ -763,10 +763,19 @@ def check_unsupported_features(args: argparse.Namespace) -> None:
              "which the MoE layers need under tensor parallelism)")
 
 
+def is_dry_run() -> bool:
+    """Whether this is the examples' ``DRY_RUN`` (``MEGATRON_GLM5_CHECK_ARGS=1``): the flags checked for a world of
+    ``$WORLD_SIZE`` on the machines the job would run on, no process group, no work."""
+    return os.environ.get("MEGATRON_GLM5_CHECK_ARGS") == "1"
+
+
 def check_machine_support(args: argparse.Namespace) -> None:
-    """Megatron-LM features this machine's install cannot run (CUDA, Transformer Engine): refused in one line.
-    Kept apart from :func:`check_unsupported_features`, which holds what the model never carries and marks
-    ``--help`` (the flag table is the same on every machine)."""
+    """Megatron-LM features this machine's install cannot run (CUDA, Transformer Engine): refused in one line;
+    nothing in a dry run (:func:`is_dry_run`: the job runs on other machines). Kept apart from
+    :func:`check_unsupported_features`, which holds what the model never carries and marks ``--help`` (the flag
+    table is the same on every machine)."""
+    if is_dry_run():
+        return
     if args.use_precision_aware_optimizer and not args.optimizer_cpu_offload:
         _require(_have_te_fused_adam(), "--use-precision-aware-optimizer",
                  "needs Transformer Engine's FusedAdam (megatron-core keeps 16-bit optimizer state only there), "
@@ -862,8 +871,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG, world_size: O
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
         check_layout_and_schedule(args, config)
-        if os.environ.get("MEGATRON_GLM5_CHECK_ARGS") != "1":  # the examples' dry run checks the flags for the
-            check_machine_support(args)                          # cluster's machines, not for this one
+        check_machine_support(args)
         given = given_options(argv, provider.parser._actions)
         validate_glm5_args(args, arch, hf, given)
         args.hf_config_dict = hf

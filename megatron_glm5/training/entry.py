@@ -175,7 +175,9 @@ def launcher_env_error() -> Optional[str]:
             return f"${name}={text!r} is not an integer ({hint})"
         if values[name] < low or (name == "MASTER_PORT" and values[name] > 65535):
             return f"${name}={text!r} is out of range ({hint})"
-    dry_run = env.get("MEGATRON_GLM5_CHECK_ARGS") == "1"
+    from megatron_glm5.training.arguments import is_dry_run
+
+    dry_run = is_dry_run()
     for name in ("WORLD_SIZE",) + (() if dry_run else ("MASTER_PORT", "MASTER_ADDR")):
         if not env.get(name):
             return f"${name} is not set but $RANK is ({hint})"
@@ -311,7 +313,7 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from megatron_glm5.training import flops, megatron_hooks, memory_report, moe_load_logging
-    from megatron_glm5.training.arguments import parse_args
+    from megatron_glm5.training.arguments import is_dry_run, parse_args
 
     megatron_hooks.install()
     flops.install()
@@ -329,7 +331,7 @@ def _run_pretrain(datasets_provider, model_provider, forward_step, argv, prog, p
     quiet.install_logs(args)
     from megatron.training.utils import print_rank_0
 
-    if os.environ.get("MEGATRON_GLM5_CHECK_ARGS") == "1":  # the examples' DRY_RUN: the flags only
+    if is_dry_run():  # the examples' DRY_RUN: the flags only
         print(f"{prog}: the arguments pass Megatron-LM's checks and this model's for a world of {args.world_size} "
               f"(TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, EP "
               f"{args.expert_model_parallel_size}, CP {args.context_parallel_size}, DP {args.data_parallel_size})")
